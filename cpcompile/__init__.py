@@ -1,0 +1,23 @@
+"""cpcompile: context parallelism for PyTorch training by compiler passes over the model graph.
+
+    plan = cpcompile.load_plan("train.yaml")
+    mesh = cpcompile.build_mesh(plan.accelerator)
+    model = cpcompile.compile(model, mesh, plan, dump_dir="cp_dump")
+    local = cpcompile.shard_batch(global_batch, mesh, plan)
+    loss = model(**local).loss
+"""
+from .batch import shard_batch, unshard
+from .errors import CPConfigError, PlanError
+from .install import compile
+from .loss import all_reduce_gradients, global_mean_loss
+from .mesh import CPMesh, build_mesh
+from .methods import CPMethod
+from .plan import AcceleratorConfig, Override, Plan, load_plan
+from .registry import inner_wrapper, register_inner_wrapper
+
+__all__ = [
+    "AcceleratorConfig", "CPConfigError", "CPMesh", "CPMethod", "Override", "Plan", "PlanError",
+    "all_reduce_gradients", "build_mesh", "compile", "global_mean_loss", "inner_wrapper",
+    "load_plan", "register_inner_wrapper", "shard_batch", "unshard",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,386 @@
+"""The CP batch contract: turn one *global* micro-batch into this rank's local slice.
+
+Everything that depends on the whole sequence is computed on the global batch, before any
+slicing, so no rank ever has to guess what lies beyond its own slice:
+
+1. validate keys (packed/varlen metadata, inference cache and unknown tensors are refused);
+2. global ``position_ids`` (created as ``arange(S)`` when absent);
+3. global next-token targets ``shift_labels`` (``labels[:, 1:]`` + one ``-100``), with every
+   target that touches padding set to ``-100``, and ``num_items_in_batch`` = global target count;
+4. right padding to the layout's multiple (only with ``pad=True``);
+5. slicing along the sequence by the method's layout (contiguous or Head-Tail).
+
+The pure index helpers (`local_indices`, `reorder_for_layout`, `restore_order`) need no
+process group; `unshard` is their distributed inverse.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .methods import CONTIGUOUS, HEAD_TAIL
+
+IGNORE_INDEX = -100
+
+# Fields cut along the sequence dimension, and where that dimension is.
+_SEQ_DIM = {
+    "input_ids": 1,
+    "inputs_embeds": 1,
+    "attention_mask": 1,
+    "labels": 1,
+    "shift_labels": 1,
+    "position_ids": -1,  # [B, S], [1, S] or multimodal-rope [n, B, S]
+}
+
+# Non-sequence entries passed through unchanged (flags, or a user-chosen loss normaliser).
+PASSTHROUGH_KEYS = frozenset(
+    {"return_dict", "output_hidden_states", "output_attentions", "output_router_logits", "num_items_in_batch"}
+)
+# Accepted only with a harmless value; anything else is refused with the reason below.
+_HARMLESS_VALUES = {
+    "use_cache": (None, False),
+    "past_key_values": (None,),
+    "logits_to_keep": (None, 0),
+    "is_causal": (None, True),
+}
+_REJECT_REASONS = {
+    "use_cache": "training with CP has no KV cache; pass use_cache=False or leave it out",
+    "past_key_values": "an inference KV cache cannot be split across CP ranks",
+    "logits_to_keep": "CP training needs logits for every token (logits_to_keep=0)",
+    "is_causal": "CP attention rewrites assume causal attention",
+    "cache_position": "cache_position is inference metadata; shard_batch supplies global position_ids",
+    "cu_seq_lens_q": "packed/varlen batches are not supported with CP yet",
+    "cu_seq_lens_k": "packed/varlen batches are not supported with CP yet",
+    "max_length_q": "packed/varlen batches are not supported with CP yet",
+    "max_length_k": "packed/varlen batches are not supported with CP yet",
+    "seq_idx": "packed/varlen batches are not supported with CP yet",
+}
+ALLOWED_KEYS = frozenset(_SEQ_DIM) | PASSTHROUGH_KEYS | frozenset(_HARMLESS_VALUES)
+
+
+# ----------------------------------------------------------------------------- layouts
+
+
+def required_multiple(layout: str, cp_size: int) -> int:
+    """The sequence length must be a multiple of this for `layout` over `cp_size` ranks."""
+    if layout == CONTIGUOUS:
+        return cp_size
+    if layout == HEAD_TAIL:
+        return 2 * cp_size
+    raise ValueError(f"unknown sequence layout {layout!r}; expected {CONTIGUOUS!r} or {HEAD_TAIL!r}")
+
+
+def local_indices(seq_len: int, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
+    """Global token indices (LongTensor, in local order) held by `cp_rank`.
+
+    contiguous: block `cp_rank` of `cp_size` equal blocks.
+    head_tail:  chunks `cp_rank` and `2*cp_size-1-cp_rank` of `2*cp_size` equal chunks, in that
+    order, so every rank gets one early (cheap) and one late (expensive) causal chunk.
+    """
+    multiple = required_multiple(layout, cp_size)
+    if seq_len % multiple:
+        raise ValueError(f"sequence length {seq_len} is not a multiple of {multiple} ({layout}, cp={cp_size})")
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
+    chunk = seq_len // multiple
+    if layout == CONTIGUOUS:
+        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
+    tail = 2 * cp_size - 1 - cp_rank
+    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)])
+
+
+def _rank_major_order(seq_len: int, cp_size: int, layout: str) -> torch.Tensor:
+    """Global indices in the order an all-gather over ranks 0..cp-1 concatenates them."""
+    return torch.cat([local_indices(seq_len, cp_size, r, layout) for r in range(cp_size)])
+
+
+def reorder_for_layout(tensor: torch.Tensor, cp_size: int, layout: str, *, seq_dim: int = 1) -> torch.Tensor:
+    """Global order -> rank-major order (rank 0's tokens, then rank 1's, ...)."""
+    if cp_size == 1 or layout == CONTIGUOUS:
+        return tensor
+    order = _rank_major_order(tensor.shape[seq_dim], cp_size, layout).to(tensor.device)
+    return tensor.index_select(seq_dim, order)
+
+
+def restore_order(tensor: torch.Tensor, cp_size: int, layout: str, *, seq_dim: int = 1) -> torch.Tensor:
+    """Rank-major order (as gathered from ranks 0..cp-1) -> global order. Inverse of `reorder_for_layout`."""
+    if cp_size == 1 or layout == CONTIGUOUS:
+        return tensor
+    order = _rank_major_order(tensor.shape[seq_dim], cp_size, layout)
+    return tensor.index_select(seq_dim, torch.argsort(order).to(tensor.device))
+
+
+def plan_layout(plan: Any) -> str | None:
+    """The one sequence layout every active override agrees on; None when none is active."""
+    overrides = list(plan.active_overrides()) if plan is not None else []
+    by_layout: dict[str, list[str]] = {}
+    for override in overrides:
+        method = getattr(override, "method", None)
+        if method is not None:
+            layout, label = method.layout, method.wrapper
+        else:  # a `local_compute_fn` override computes on the plain contiguous slice
+            layout, label = CONTIGUOUS, f"local_compute_fn {getattr(override, 'local_compute_fn', None)}"
+        match = getattr(override, "match", None)
+        if match is not None:
+            label = f"{label} (match {match!r})"
+        by_layout.setdefault(layout, []).append(label)
+    if len(by_layout) > 1:
+        detail = "; ".join(f"{layout}: {', '.join(names)}" for layout, names in sorted(by_layout.items()))
+        raise ValueError(
+            "plan_overrides need different sequence layouts and one batch can have only one: " + detail
+        )
+    return next(iter(by_layout), None)
+
+
+def _cp_size_and_rank(mesh: Any) -> tuple[int, int]:
+    if mesh is None:
+        return 1, 0
+    return int(mesh.cp_size), int(mesh.cp_rank)
+
+
+def _batch_layout(mesh: Any, plan: Any) -> tuple[int, int, str]:
+    cp_size, cp_rank = _cp_size_and_rank(mesh)
+    plan_cp = getattr(plan, "cp_size", None)
+    if plan_cp is not None and int(plan_cp) != cp_size:
+        raise ValueError(f"plan has cp_size={plan_cp} but the mesh has cp_size={cp_size}")
+    if cp_size == 1:  # nothing is sliced, so no layout is needed
+        return cp_size, cp_rank, CONTIGUOUS
+    layout = plan_layout(plan)
+    if layout is None:
+        raise ValueError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
+    return cp_size, cp_rank, layout
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def _check_keys(batch: Mapping[str, Any]) -> None:
+    for key, value in batch.items():
+        if key in _HARMLESS_VALUES:
+            if value is None or (not isinstance(value, torch.Tensor) and value in _HARMLESS_VALUES[key]):
+                continue
+            raise ValueError(f"shard_batch: {key}={value!r} is not supported: {_REJECT_REASONS[key]}")
+        if key in _REJECT_REASONS:
+            raise ValueError(f"shard_batch: {key!r} is not supported: {_REJECT_REASONS[key]}")
+        if key not in ALLOWED_KEYS:
+            kind = "tensor" if isinstance(value, torch.Tensor) else "entry"
+            raise ValueError(
+                f"shard_batch: unknown {kind} {key!r}; CP cannot guess how to split it. "
+                f"Allowed keys: {', '.join(sorted(ALLOWED_KEYS))}"
+            )
+        if key in _SEQ_DIM and value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"shard_batch: {key!r} must be a tensor, got {type(value).__name__}")
+
+
+def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int]:
+    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
+    if (ids is None) == (embeds is None):
+        raise ValueError("shard_batch: pass exactly one of 'input_ids' [B, S] or 'inputs_embeds' [B, S, H]")
+    if ids is not None and ids.dim() != 2:
+        raise ValueError(f"shard_batch: 'input_ids' must be [B, S], got shape {tuple(ids.shape)}")
+    if embeds is not None and embeds.dim() != 3:
+        raise ValueError(f"shard_batch: 'inputs_embeds' must be [B, S, H], got shape {tuple(embeds.shape)}")
+    main = ids if ids is not None else embeds
+    return main.shape[0], main.shape[1]
+
+
+def _check_field_shapes(batch: Mapping[str, Any], bsz: int, seq_len: int) -> None:
+    mask = batch.get("attention_mask")
+    if mask is not None and mask.dim() != 2:
+        raise ValueError(
+            f"shard_batch: 'attention_mask' has shape {tuple(mask.shape)}; pass the 2-D [B, S] padding mask, "
+            "CP builds the causal/global attention mask itself"
+        )
+    for key in ("attention_mask", "labels", "shift_labels"):
+        value = batch.get(key)
+        if value is not None and tuple(value.shape) != (bsz, seq_len):
+            raise ValueError(f"shard_batch: {key!r} must have shape {(bsz, seq_len)}, got {tuple(value.shape)}")
+    pos = batch.get("position_ids")
+    if pos is not None:
+        ok = (pos.dim() == 2 and pos.shape[0] in (1, bsz)) or (pos.dim() == 3 and pos.shape[1] in (1, bsz))
+        if not ok or pos.shape[-1] != seq_len:
+            raise ValueError(
+                f"shard_batch: 'position_ids' must be [B, S], [1, S] or [n, B, S] with S={seq_len}, B={bsz}; "
+                f"got {tuple(pos.shape)}"
+            )
+
+
+def _check_not_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """Refuse position ids that restart inside a row (packed sequences), a cheap O(B*S) check.
+
+    Only consecutive *real* tokens are compared, so padding may carry any position value.
+    Multimodal-rope [n, B, S] ids are not checked (their steps are not 1 across image tokens).
+    """
+    if position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return
+    step_ok = (position_ids[:, 1:] - position_ids[:, :-1]) == 1
+    if mask is not None:
+        both_real = mask[:, 1:].bool() & mask[:, :-1].bool()
+        step_ok = step_ok | ~both_real
+    if not bool(step_ok.all()):
+        raise ValueError(
+            "shard_batch: 'position_ids' do not increase by 1 between consecutive tokens of a row "
+            "(packed sequences?); packed/varlen batches are not supported with CP yet"
+        )
+
+
+# ----------------------------------------------------------------------------- global fields
+
+
+def global_shift_labels(labels: torch.Tensor, *, already_shifted: bool = False) -> torch.Tensor:
+    """Next-token targets over the *whole* sequence: position i predicts labels[i+1].
+
+    The last position gets -100. Labels are otherwise taken as given, exactly as Hugging Face
+    does at CP=1 (it does not consult the padding mask): a collator that wants padding
+    ignored sets those labels to -100, and the CP loss then equals the CP=1 loss.
+    """
+    if already_shifted:
+        return labels.clone()
+    shifted = torch.full_like(labels, IGNORE_INDEX)
+    shifted[:, :-1] = labels[:, 1:]
+    return shifted
+
+
+def _pad_seq(tensor: torch.Tensor, extra: int, value: float | int, seq_dim: int) -> torch.Tensor:
+    shape = list(tensor.shape)
+    shape[seq_dim] = extra
+    filler = torch.full(shape, value, dtype=tensor.dtype, device=tensor.device)
+    return torch.cat([tensor, filler], dim=seq_dim)
+
+
+def _pad_positions(position_ids: torch.Tensor, extra: int) -> torch.Tensor:
+    """Continue each row's numbering past its last value: last+1, last+2, ..."""
+    step = torch.arange(1, extra + 1, dtype=position_ids.dtype, device=position_ids.device)
+    return torch.cat([position_ids, position_ids[..., -1:] + step], dim=-1)
+
+
+# ----------------------------------------------------------------------------- public entry points
+
+
+def shard_batch(
+    global_batch: Mapping[str, Any], mesh: Any, plan: Any, *, pad: bool = False, pad_token_id: int = 0
+) -> dict[str, Any]:
+    """Return this CP rank's local batch, ready for ``model(**local)`` on a Hugging Face causal LM.
+
+    Every rank of the CP group passes the same *global* micro-batch. ``mesh`` provides
+    ``cp_size``/``cp_rank`` (None means cp=1); ``plan.active_overrides()`` fixes the layout
+    (all active overrides must need the same one).
+
+    Returned keys: the sliced sequence fields (``input_ids`` | ``inputs_embeds``,
+    ``attention_mask`` if given, ``position_ids`` always — global numbers, never restarted at 0),
+    and when labels are given: ``labels`` (local slice of the *unshifted* labels, so HF computes a
+    loss), ``shift_labels`` (local slice of the globally shifted targets, which HF's
+    ``ForCausalLMLoss`` uses instead of shifting locally) and ``num_items_in_batch`` (the number
+    of valid targets in the whole global batch, so each rank's HF loss is its share and the sum
+    over the CP group is the CP=1 mean). A user-given ``num_items_in_batch`` (e.g. a count over
+    gradient-accumulation steps, or over DP ranks) passes through unchanged. Flags in
+    ``PASSTHROUGH_KEYS`` pass through; ``use_cache=False`` is always set. The model's loss must
+    honour ``shift_labels`` (HF ``ForCausalLMLoss`` does); one that shifts locally would drop the
+    target at each rank boundary. The 2-D padding mask is sliced with its tokens; the rewritten
+    attention is responsible for gathering the key-side padding it needs.
+
+    At cp=1 (no active override) the same contract applies without slicing, so the CP=1
+    reference run sees exactly the same fields and numbers.
+
+    If S is not a multiple of cp (contiguous) or 2*cp (head_tail): ``pad=False`` raises;
+    ``pad=True`` right-pads: ids with ``pad_token_id``, embeddings with 0, labels with -100,
+    position ids continuing each row, and ``attention_mask`` with 0 (none is created when the
+    user gave none: right padding is causally invisible to real tokens).
+    """
+    _check_keys(global_batch)
+    cp_size, cp_rank, layout = _batch_layout(mesh, plan)
+    bsz, seq_len = _sequence_shape(global_batch)
+    _check_field_shapes(global_batch, bsz, seq_len)
+
+    fields: dict[str, torch.Tensor] = {
+        key: global_batch[key] for key in _SEQ_DIM if global_batch.get(key) is not None
+    }
+    main = fields.get("input_ids", fields.get("inputs_embeds"))
+    mask = fields.get("attention_mask")
+
+    if "position_ids" in fields:
+        _check_not_packed(fields["position_ids"], mask)
+    else:
+        fields["position_ids"] = torch.arange(seq_len, device=main.device).unsqueeze(0).expand(bsz, -1)
+
+    num_items = global_batch.get("num_items_in_batch")
+    if "labels" in fields or "shift_labels" in fields:
+        if "shift_labels" in fields:
+            shifted = global_shift_labels(fields["shift_labels"], already_shifted=True)
+        else:
+            shifted = global_shift_labels(fields["labels"])
+        fields["shift_labels"] = shifted
+        # HF only computes a loss when `labels` is given; it then reads `shift_labels`.
+        fields.setdefault("labels", shifted)
+        if num_items is None:
+            num_items = (shifted != IGNORE_INDEX).sum()
+
+    multiple = required_multiple(layout, cp_size)
+    if seq_len % multiple:
+        if not pad:
+            raise ValueError(
+                f"shard_batch: sequence length S={seq_len} is not a multiple of {multiple} required by the "
+                f"{layout!r} layout with cp_size={cp_size}; pass pad=True to right-pad the batch at the end"
+            )
+        fields = _pad_fields(fields, multiple - seq_len % multiple, pad_token_id)
+        seq_len = fields["position_ids"].shape[-1]
+
+    local: dict[str, Any] = {}
+    index = local_indices(seq_len, cp_size, cp_rank, layout) if cp_size > 1 else None
+    for key, tensor in fields.items():
+        if index is not None:
+            dim = _SEQ_DIM[key] % tensor.dim()
+            tensor = tensor.index_select(dim, index.to(tensor.device))
+        local[key] = tensor
+    for key in PASSTHROUGH_KEYS:
+        if key in global_batch and key != "num_items_in_batch":
+            local[key] = global_batch[key]
+    if num_items is not None:
+        local["num_items_in_batch"] = num_items
+    local["use_cache"] = False
+    return local
+
+
+def _pad_fields(fields: dict[str, torch.Tensor], extra: int, pad_token_id: int) -> dict[str, torch.Tensor]:
+    fill = {
+        "input_ids": pad_token_id,
+        "inputs_embeds": 0,
+        "attention_mask": 0,
+        "labels": IGNORE_INDEX,
+        "shift_labels": IGNORE_INDEX,
+    }
+    out = {}
+    for key, tensor in fields.items():
+        if key == "position_ids":
+            out[key] = _pad_positions(tensor, extra)
+        else:
+            out[key] = _pad_seq(tensor, extra, fill[key], _SEQ_DIM[key])
+    return out
+
+
+def _cp_process_group(mesh: Any):
+    group = getattr(mesh, "cp_group", None)
+    if group is None:
+        group = mesh.cp.get_group()
+    return group
+
+
+def unshard(local_tensor: torch.Tensor, mesh: Any, plan: Any, *, seq_dim: int = 1) -> torch.Tensor:
+    """All-gather `local_tensor` over the CP group along `seq_dim` and put it back in global order.
+
+    Differentiable: backward sums each rank's gradient of the gathered tensor back onto the
+    owning rank's slice (all-gather <-> reduce-scatter). Padding added by ``shard_batch(pad=True)``
+    is not removed. At cp=1 the tensor is returned as is.
+    """
+    cp_size, _, layout = _batch_layout(mesh, plan)
+    if cp_size == 1:
+        return local_tensor
+    from .collectives import ALL_GATHER, WAIT
+
+    seq_dim = seq_dim % local_tensor.dim()
+    # The functional all-gather concatenates along dim 0 in rank order; its autograd twin
+    # reduce-scatters the gradient back (gloo included).
+    leading = local_tensor.movedim(seq_dim, 0).contiguous()
+    gathered = WAIT(ALL_GATHER(leading, cp_size, _cp_process_group(mesh).group_name))
+    return restore_order(gathered.movedim(0, seq_dim), cp_size, layout, seq_dim=seq_dim)

@@ -1,0 +1,115 @@
+"""Capture: find where attention cores run, record region inputs, trace regions.
+
+`probe_forward` runs the model once on an example batch and records, for every module
+the plan targets, the real inputs of its first call, and, for every SDPA call, the stack
+of modules it ran inside. `trace_region` then exports one module (non-strict
+`torch.export`) from recorded inputs, always through the module class's own `forward`,
+so a module whose `forward` cpcompile already replaced can be traced again.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
+
+
+@dataclass
+class ProbeResult:
+    inputs: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
+    # one entry per core call: (core kind, FQNs of the modules it ran inside, outermost first)
+    core_sites: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+
+
+class _RecordSdpaCalls(TorchFunctionMode):
+    def __init__(self, stack: list[str], sites: list):
+        super().__init__()
+        self.stack, self.sites = stack, sites
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is F.scaled_dot_product_attention:
+            self.sites.append(("sdpa", tuple(self.stack)))
+        return func(*args, **(kwargs or {}))
+
+
+@contextmanager
+def _module_stack_hooks(model: nn.Module, stack: list[str]):
+    handles = []
+    for name, module in model.named_modules():
+        def push(_m, _a, name=name):
+            stack.append(name)
+
+        def pop(_m, _a, _o):
+            stack.pop()
+
+        handles.append(module.register_forward_pre_hook(push))
+        handles.append(module.register_forward_hook(pop, always_call=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _record_first_inputs(modules: dict[str, nn.Module], into: dict):
+    def recorder(fqn):
+        def hook(_m, args, kwargs):
+            into.setdefault(fqn, (args, dict(kwargs)))
+        return hook
+
+    handles = [m.register_forward_pre_hook(recorder(fqn), with_kwargs=True) for fqn, m in modules.items()]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module]) -> ProbeResult:
+    """One real forward (no grad) recording region inputs and where each SDPA core runs."""
+    result = ProbeResult()
+    stack: list[str] = []
+    with torch.no_grad(), _module_stack_hooks(model, stack), _record_first_inputs(regions, result.inputs):
+        with _RecordSdpaCalls(stack, result.core_sites):
+            if isinstance(example, dict):
+                model(**example)
+            elif isinstance(example, (tuple, list)):
+                model(*example)
+            else:
+                model(example)
+    return result
+
+
+def reject_inference_cache(fqn: str, kwargs: dict) -> None:
+    for name in CACHE_KWARGS:
+        if kwargs.get(name) is not None:
+            raise ValueError(
+                f"{fqn}: called with {name}={type(kwargs[name]).__name__}; CP does not support an "
+                "inference cache or incremental decoding — call the model with use_cache=False "
+                "(cpcompile.shard_batch adds it)"
+            )
+
+
+class _ClassForward(nn.Module):
+    """Calls `target`'s class-level forward, bypassing an instance-level replacement."""
+
+    def __init__(self, target: nn.Module):
+        super().__init__()
+        self.target = target
+
+    def forward(self, *args, **kwargs):
+        return type(self.target).forward(self.target, *args, **kwargs)
+
+
+PREFIX = "target."
+
+
+def trace_region(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    return torch.export.export(_ClassForward(module), tuple(args), dict(kwargs), strict=False)

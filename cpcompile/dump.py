@@ -1,0 +1,124 @@
+"""Debug dump: per region, the graph around every pass, and one summary of what was done.
+
+Layout of a dump directory:
+    <region>/<NN>_<pass>.before.py, .after.py   readable graph code around each pass
+    summary.json, summary.txt                   one row per rewritten region
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch.fx as fx
+
+from . import collectives as C
+from .context import PassContext
+
+ENV_VAR = "CPCOMPILE_DUMP_DIR"
+
+
+def resolve_dump_dir(dump_dir: str | os.PathLike | None) -> Path | None:
+    chosen = dump_dir if dump_dir is not None else os.environ.get(ENV_VAR)
+    return Path(chosen) if chosen else None
+
+
+def collective_report(gm: fx.GraphModule) -> list[dict[str, Any]]:
+    """For each launch in `gm`: its wait, their positions, and the compute between them."""
+    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    rows = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not C.is_launch(node.target):
+            continue
+        waits = [u for u in node.users if C.is_wait(u.target)]
+        wait = waits[0] if waits else None
+        end = order[wait] if wait is not None else order[node]
+        between = [n.name for n in gm.graph.nodes if order[node] < order[n] < end and n.op == "call_function"]
+        rows.append({
+            "collective": C.collective_kind(node.target),
+            "launch": node.name,
+            "launch_pos": order[node],
+            "wait": wait.name if wait is not None else None,
+            "wait_pos": end if wait is not None else None,
+            "between": between,
+        })
+    return rows
+
+
+class Dump:
+    def __init__(self, root: Path):
+        self.root = root
+        self.regions: list[dict[str, Any]] = []
+        root.mkdir(parents=True, exist_ok=True)
+
+    def region_dir(self, fqn: str, variant: int) -> Path:
+        safe = re.sub(r"[^A-Za-z0-9_.-]", "_", fqn) or "root"
+        path = self.root / (safe if variant == 0 else f"{safe}.v{variant}")
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def pass_observer(self, fqn: str, variant: int):
+        directory = self.region_dir(fqn, variant)
+        counter = iter(range(100))
+
+        def on_pass(name: str, before: str, after: str) -> None:
+            step = next(counter)
+            (directory / f"{step:02d}_{name}.before.py").write_text(before)
+            (directory / f"{step:02d}_{name}.after.py").write_text(after)
+
+        return on_pass
+
+    def add_region(self, ctx: PassContext, gm: fx.GraphModule, variant: int, backend: str = "-") -> None:
+        purposes = {c.launch: c.purpose for c in ctx.collectives}
+        self.regions.append({
+            "fqn": ctx.fqn,
+            "variant": variant,
+            "method": ctx.method.name,
+            "core": ctx.method.core,
+            "wrapper": ctx.method.wrapper,
+            "params": dict(ctx.method.params),
+            "backend": backend,
+            "cp_size": ctx.cp_size,
+            "cp_rank": ctx.cp_rank,
+            "group": ctx.group_name,
+            "cores_rewritten": ctx.cores_rewritten,
+            "collectives_inserted": [vars(c) for c in ctx.collectives],
+            "schedule": [
+                dict(row, purpose=purposes.get(row["launch"], "")) for row in collective_report(gm)
+            ],
+            "notes": list(ctx.notes),
+        })
+        self.write_summary()
+
+    def write_summary(self) -> None:
+        (self.root / "summary.json").write_text(json.dumps({"regions": self.regions}, indent=2, default=str))
+        (self.root / "summary.txt").write_text(format_summary(self.regions))
+
+
+def format_summary(regions: list[dict[str, Any]]) -> str:
+    lines = [f"{'region':<40} {'method':<12} {'core':<5} {'backend':<8} collectives (launch@pos -> wait@pos, compute between)"]
+    for r in regions:
+        name = r["fqn"] + (f" (v{r['variant']})" if r.get("variant") else "")
+        first = True
+        for c in r["schedule"] or [None]:
+            head = f"{name:<40} {r['method']:<12} {r['core']:<5} {r['backend']:<8}" if first else " " * 68
+            if c is None:
+                lines.append(f"{head} none")
+            else:
+                lines.append(
+                    f"{head} {c['collective']}({c.get('purpose', '')}) {c['launch']}@{c['launch_pos']} -> "
+                    f"{c['wait']}@{c['wait_pos']}, {len(c['between'])} between"
+                )
+            first = False
+        for note in r.get("notes", []):
+            lines.append(" " * 68 + f" note: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def inspect(dump_dir: str | os.PathLike) -> str:
+    path = Path(dump_dir) / "summary.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} not found: is {dump_dir} a cpcompile dump directory?")
+    return format_summary(json.loads(path.read_text())["regions"])

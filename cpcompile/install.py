@@ -1,0 +1,171 @@
+"""`cpcompile.compile`: match → probe → trace → rewrite → install, atomically."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from fnmatch import fnmatchcase
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from .capture import probe_forward, reject_inference_cache, trace_region
+from .context import PassContext
+from .dump import Dump, resolve_dump_dir
+from .errors import PlanError
+from .passes import run_passes
+from .plan import Override, load_plan
+from .region import RegionProgram, signature_key
+
+log = logging.getLogger("cpcompile")
+
+MARKER = "_cpcompile_config"
+PROBE_LENGTH = 16
+
+
+@dataclass
+class Target:
+    """One region to rewrite: the module whose forward is replaced, and why."""
+
+    fqn: str
+    module: nn.Module
+    override: Override
+
+
+def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any = None) -> nn.Module:
+    """Rewrite every attention region the plan names into its CP form, in place.
+
+    `example_inputs` is one *local* batch as this rank will feed the model (a dict of
+    keyword arguments, or a tuple of positional ones); for a Hugging Face model it may be
+    omitted and a small batch of token ids is used. Every check runs before any module is
+    changed: on error the model is left as it was.
+    """
+    plan = load_plan(plan)
+    if plan.cp_size != mesh.cp_size:
+        raise ValueError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
+    overrides = plan.active_overrides()
+    if not overrides:
+        log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
+        return model
+    reject_unsupported_combinations(plan)
+    targets = resolve_targets(model, overrides)
+    example = example_inputs if example_inputs is not None else default_example(model)
+    probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
+    check_coverage(targets, probe.core_sites)
+    dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
+    installs = []
+    for target in targets:
+        args, kwargs = probe.inputs[target.fqn]
+        installs.append(InstalledRegion(target, mesh, dump, args, kwargs))
+    for installed in installs:  # nothing above touched the model; from here on nothing can fail
+        installed.install()
+    return model
+
+
+def reject_unsupported_combinations(plan) -> None:
+    acc = plan.accelerator
+    for name in ("tp_size", "pp_size", "ep_size"):
+        if getattr(acc, name) > 1:
+            raise NotImplementedError(
+                f"accelerator.{name}={getattr(acc, name)} together with context parallelism is not supported yet"
+            )
+
+
+def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]:
+    modules = dict(model.named_modules())
+    targets: dict[str, Target] = {}
+    for override in overrides:
+        hits = [fqn for fqn in modules if fqn and fnmatchcase(fqn, override.match)]
+        if not hits:
+            raise PlanError(override.field("match"), f"{override.match!r} matches no module of {type(model).__name__}")
+        for fqn in hits:
+            region_fqn = fqn if override.inner_target == "self" else f"{fqn}.{override.inner_target}"
+            if region_fqn not in modules:
+                raise PlanError(override.field("inner_target"), f"module {fqn!r} has no submodule {override.inner_target!r}")
+            if region_fqn in targets:
+                other = targets[region_fqn].override
+                raise PlanError(override.field("match"), f"module {region_fqn!r} is also matched by {other.field('match')} ({other.match!r})")
+            module = modules[region_fqn]
+            if hasattr(module, MARKER):
+                raise RuntimeError(f"module {region_fqn!r} was already compiled by cpcompile ({getattr(module, MARKER)})")
+            targets[region_fqn] = Target(region_fqn, module, override)
+    for fqn in targets:
+        for other in targets:
+            if other != fqn and other.startswith(fqn + "."):
+                raise PlanError(targets[other].override.field("match"), f"region {other!r} lies inside region {fqn!r}; regions must not nest")
+    return list(targets.values())
+
+
+def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]]) -> None:
+    """Every core runs inside exactly one region, of the kind its method rewrites."""
+    by_fqn = {t.fqn: t for t in targets}
+    seen: set[str] = set()
+    for kind, stack in core_sites:
+        covering = [by_fqn[f] for f in stack if f in by_fqn]
+        where = stack[-1] if stack else "<model>"
+        if not covering:
+            raise ValueError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
+        target = covering[0]
+        if target.override.method.core != kind:
+            raise ValueError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
+        seen.add(target.fqn)
+    for target in targets:
+        if target.fqn not in seen:
+            raise ValueError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
+
+
+def default_example(model: nn.Module) -> dict:
+    get_embeddings = getattr(model, "get_input_embeddings", None)
+    if get_embeddings is None:
+        raise ValueError("pass example_inputs=: cpcompile can only make an example batch for Hugging Face models")
+    embeddings = get_embeddings()
+    ids = torch.randint(0, embeddings.num_embeddings, (1, PROBE_LENGTH), device=embeddings.weight.device)
+    return {"input_ids": ids, "use_cache": False}
+
+
+class InstalledRegion:
+    """The replacement `forward`: one rewritten graph per input signature.
+
+    A call whose input signature (structure, shapes, dtypes, non-tensor values) was not
+    seen before is traced and rewritten then, before it runs; errors surface the same way.
+    """
+
+    def __init__(self, target: Target, mesh, dump: Dump | None, args: tuple, kwargs: dict):
+        self.target = target
+        self.mesh = mesh
+        self.dump = dump
+        self.programs: dict[Any, RegionProgram] = {}
+        self._build(args, kwargs)
+
+    def install(self) -> None:
+        module = self.target.module
+        module.forward = self
+        setattr(module, MARKER, {"fqn": self.target.fqn, "method": self.target.override.method.describe()})
+
+    def __call__(self, *args, **kwargs):
+        program = self.programs.get(signature_key(args, kwargs))
+        if program is None:
+            program = self._build(args, kwargs)
+        return program(self.target.module, args, kwargs)
+
+    @torch.compiler.disable
+    def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
+        target = self.target
+        reject_inference_cache(target.fqn, kwargs)
+        ep = trace_region(target.module, args, kwargs)
+        program = RegionProgram.from_export(ep, ep.graph_module)
+        ctx = PassContext(
+            fqn=target.fqn,
+            method=target.override.method,
+            cp_size=self.mesh.cp_size,
+            cp_rank=self.mesh.cp_rank,
+            group_name=self.mesh.cp_group_name,
+            example_inputs=program.flat_inputs(target.module, args, kwargs),
+        )
+        variant = len(self.programs)
+        observer = self.dump.pass_observer(target.fqn, variant) if self.dump else None
+        program.gm = run_passes(program.gm, ctx, on_pass=observer)
+        if self.dump:
+            self.dump.add_region(ctx, program.gm, variant)
+        self.programs[signature_key(args, kwargs)] = program
+        return program

@@ -1,0 +1,29 @@
+"""What a plan override asks for, as data: the rewrite passes read this, never the YAML."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+# Sequence layouts a method expects `shard_batch` to produce.
+CONTIGUOUS = "contiguous"  # rank r holds tokens [r*S/cp, (r+1)*S/cp)
+HEAD_TAIL = "head_tail"    # rank r holds chunks r and 2*cp-1-r of 2*cp chunks
+
+
+@dataclass(frozen=True)
+class CPMethod:
+    """One context-parallel method, fixed by the inner wrapper that returned it.
+
+    `name` selects the rewrite pass (e.g. "all_gather"), `core` says which attention core
+    it rewrites ("sdpa" or "gdn"), `layout` is the sequence layout it needs from the batch,
+    and `params` holds the wrapper's own validated parameters (e.g. ulysses_degree).
+    """
+
+    name: str
+    core: str
+    wrapper: str
+    layout: str = CONTIGUOUS
+    params: Mapping[str, Any] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        extra = "".join(f", {k}={v}" for k, v in sorted(self.params.items()))
+        return f"{self.core}:{self.name}{extra} (via {self.wrapper})"

@@ -1,0 +1,26 @@
+"""Rewrite every SDPA core of a region with the region's CP method."""
+from __future__ import annotations
+
+import torch.fx as fx
+
+from ..context import PassContext
+from .find_cores import find_sdpa_cores
+from .sdpa_all_gather import rewrite_all_gather
+
+# method name -> rewrite of one core; each later SDPA method adds one entry.
+SDPA_REWRITES = {
+    "all_gather": rewrite_all_gather,
+}
+
+
+def sdpa_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
+    if ctx.method.core != "sdpa":
+        return gm
+    rewrite = SDPA_REWRITES.get(ctx.method.name)
+    if rewrite is None:
+        raise NotImplementedError(f"{ctx.fqn}: SDPA method {ctx.method.name!r} has no rewrite")
+    for match in find_sdpa_cores(gm):
+        rewrite(gm, match, ctx)
+    gm.graph.lint()
+    gm.recompile()
+    return gm

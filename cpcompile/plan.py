@@ -1,0 +1,406 @@
+"""Stage 1 of the pipeline: parse and validate a CP plan (`accelerator:` + `plan_overrides:`).
+
+A plan comes from a YAML file (read with `yaml.safe_load` only), a dict of the same shape, or a
+`Plan` built in Python. Every error is a `PlanError` naming the field path and the reason.
+
+What a plan may *not* do, on purpose:
+- choose a CP algorithm globally (`accelerator.cp.*`, `algorithm`, `schedule`, `ulysses_degree`,
+  `load_balance`, `async_fallback` are rejected): the method is declared per module, by the
+  `inner_wrapper` of a `plan_overrides` entry, and nothing is picked by default;
+- call an arbitrary callable: `_target_` must resolve to a function carrying the
+  `@cpcompile.inner_wrapper` marker (checked before anything is called).
+
+`local_compute_fn` is parsed but not supported yet: an override that uses it is rejected with
+"local_compute_fn is not supported yet; use inner_wrapper".
+"""
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+import yaml
+
+from . import registry
+from .errors import PlanError
+from .methods import CPMethod
+
+logger = logging.getLogger("cpcompile")
+
+TOP_LEVEL_KEYS = ("accelerator", "plan_overrides")
+SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "ep_size", "pp_size")
+FLAG_KEYS = ("sequence_parallel", "loss_parallel")
+LEGACY_CP_KEYS = ("algorithm", "schedule", "ulysses_degree", "load_balance", "async_fallback")
+OVERRIDE_KEYS = ("match", "when", "region_dispatch", "inner_target", "inner_wrapper", "local_compute_fn")
+SUPPORTED_WHEN = ("cp",)
+TARGET_KEY = "_target_"
+
+_LEGACY_HINT = (
+    "global CP method settings are no longer supported; declare the method per module with "
+    "plan_overrides[].inner_wrapper (a registered name such as 'sdpa_hf', or "
+    "{_target_: <marked wrapper>, <its own parameters, e.g. ulysses_degree>})"
+)
+_REGION_DISPATCH_HINT = (
+    "must be exactly false for a CP override: CP wrappers own their communication, so the "
+    "region must not be dispatched again"
+)
+LOCAL_COMPUTE_FN_UNSUPPORTED = "local_compute_fn is not supported yet; use inner_wrapper"
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True)
+class AcceleratorConfig:
+    """Topology sizes. EP is derived from the dense ranks, so it is not part of `world_size`."""
+
+    dp_replicate_size: int = 1
+    dp_shard_size: int = 1
+    tp_size: int = 1
+    cp_size: int = 1
+    ep_size: int = 1
+    pp_size: int = 1
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
+    @property
+    def world_size(self) -> int:
+        return self.pp_size * self.dp_replicate_size * self.dp_shard_size * self.cp_size * self.tp_size
+
+    def world_size_formula(self) -> str:
+        return (
+            f"pp({self.pp_size}) x dp_replicate({self.dp_replicate_size}) x "
+            f"dp_shard({self.dp_shard_size}) x cp({self.cp_size}) x tp({self.tp_size}) = {self.world_size}"
+        )
+
+    def validate(self) -> "AcceleratorConfig":
+        for key in SIZE_KEYS:
+            _check_size(f"accelerator.{key}", getattr(self, key))
+        for key in FLAG_KEYS:
+            _check_flag(f"accelerator.{key}", getattr(self, key))
+        return self
+
+
+@dataclass(frozen=True)
+class Override:
+    """One validated `plan_overrides` entry. `index` is its position, used in error paths."""
+
+    match: str
+    when: str
+    region_dispatch: bool
+    inner_target: str = "self"
+    method: CPMethod | None = None
+    local_compute_fn: str | None = None
+    index: int = 0
+
+    def field(self, name: str) -> str:
+        return f"plan_overrides[{self.index}].{name}"
+
+    def validate(self) -> "Override":
+        _check_match(self.field("match"), self.match)
+        _check_when(self.field("when"), self.when)
+        _check_region_dispatch(self.field("region_dispatch"), self.region_dispatch)
+        _check_inner_target(self.field("inner_target"), self.inner_target)
+        has_method = self.method is not None
+        has_fn = self.local_compute_fn is not None
+        if has_method == has_fn:
+            raise PlanError(
+                self.field("inner_wrapper"),
+                "exactly one of inner_wrapper / local_compute_fn is required"
+                + (" (both are set)" if has_method else " (neither is set)"),
+            )
+        if has_fn:
+            _check_local_compute_fn(self.field("local_compute_fn"), self.local_compute_fn)
+        if not isinstance(self.method, CPMethod):
+            raise PlanError(
+                self.field("inner_wrapper"),
+                f"method must be a cpcompile.methods.CPMethod, got {type(self.method).__name__}",
+            )
+        return self
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A validated plan. Building one in Python re-indexes the overrides; call `validate()`."""
+
+    accelerator: AcceleratorConfig = AcceleratorConfig()
+    overrides: tuple[Override, ...] = ()
+
+    def __post_init__(self):
+        overrides = tuple(self.overrides)
+        # `index` follows the position so error paths stay right for hand-built plans.
+        overrides = tuple(
+            dataclasses.replace(o, index=i) if isinstance(o, Override) and o.index != i else o
+            for i, o in enumerate(overrides)
+        )
+        object.__setattr__(self, "overrides", overrides)
+
+    @property
+    def cp_size(self) -> int:
+        return self.accelerator.cp_size
+
+    def validate(self) -> "Plan":
+        if not isinstance(self.accelerator, AcceleratorConfig):
+            raise PlanError(
+                "accelerator", f"must be an AcceleratorConfig, got {type(self.accelerator).__name__}"
+            )
+        self.accelerator.validate()
+        for i, override in enumerate(self.overrides):
+            if not isinstance(override, Override):
+                raise PlanError(f"plan_overrides[{i}]", f"must be an Override, got {type(override).__name__}")
+            override.validate()
+        _check_unique_matches(self.overrides)
+        return self
+
+    def active_overrides(self) -> tuple[Override, ...]:
+        """The overrides that apply now: `when: cp` entries only when cp_size > 1."""
+        if self.cp_size > 1:
+            return tuple(o for o in self.overrides if o.when == "cp")
+        skipped = [o.match for o in self.overrides if o.when == "cp"]
+        if skipped:
+            logger.info(
+                "cp_size=1: skipping %d plan_overrides with 'when: cp' (%s); the model is left untouched",
+                len(skipped), ", ".join(skipped),
+            )
+        return tuple(o for o in self.overrides if o.when != "cp")
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def load_plan(source: "str | os.PathLike | Mapping[str, Any] | Plan") -> Plan:
+    """Read and validate a plan from a YAML path, a dict of the same shape, or a `Plan`."""
+    if isinstance(source, Plan):
+        return source.validate()
+    if isinstance(source, (str, os.PathLike)):
+        return _parse_top_level(_read_yaml(source))
+    if isinstance(source, Mapping):
+        return _parse_top_level(source)
+    raise TypeError(
+        f"load_plan expects a YAML path, a dict or a Plan, got {type(source).__name__}"
+    )
+
+
+def _read_yaml(path: "str | os.PathLike") -> Any:
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise PlanError(os.fspath(path), f"not valid YAML: {exc}") from exc
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse_top_level(raw: Any) -> Plan:
+    if raw is None:
+        raise PlanError("<plan>", "the plan is empty; expected a mapping with accelerator and plan_overrides")
+    if not isinstance(raw, Mapping):
+        raise PlanError("<plan>", f"must be a mapping, got {type(raw).__name__}")
+    _reject_unknown_keys("", raw, TOP_LEVEL_KEYS)
+    accelerator = _parse_accelerator(raw.get("accelerator", {}))
+    raw_overrides = raw.get("plan_overrides", [])
+    if raw_overrides is None:
+        raw_overrides = []
+    if not isinstance(raw_overrides, (list, tuple)):
+        raise PlanError("plan_overrides", f"must be a list, got {type(raw_overrides).__name__}")
+    overrides = tuple(_parse_override(i, entry) for i, entry in enumerate(raw_overrides))
+    return Plan(accelerator=accelerator, overrides=overrides).validate()
+
+
+def _parse_accelerator(raw: Any) -> AcceleratorConfig:
+    if not isinstance(raw, Mapping):
+        raise PlanError("accelerator", f"must be a mapping, got {type(raw).__name__}")
+    _reject_legacy_keys(raw)
+    _reject_unknown_keys("accelerator", raw, SIZE_KEYS + FLAG_KEYS)
+    return AcceleratorConfig(**dict(raw)).validate()
+
+
+def _reject_legacy_keys(raw: Mapping) -> None:
+    for key in LEGACY_CP_KEYS:
+        if key in raw:
+            raise PlanError(f"accelerator.{key}", _LEGACY_HINT)
+    if "cp" in raw:
+        cp = raw["cp"]
+        if isinstance(cp, Mapping):
+            for key in LEGACY_CP_KEYS:
+                if key in cp:
+                    raise PlanError(f"accelerator.cp.{key}", _LEGACY_HINT)
+        raise PlanError("accelerator.cp", f"{_LEGACY_HINT}; the CP degree is accelerator.cp_size")
+
+
+def _parse_override(index: int, raw: Any) -> Override:
+    path = f"plan_overrides[{index}]"
+    if not isinstance(raw, Mapping):
+        raise PlanError(path, f"must be a mapping, got {type(raw).__name__}")
+    _reject_unknown_keys(path, raw, OVERRIDE_KEYS)
+    for key in ("match", "when"):
+        if key not in raw:
+            raise PlanError(f"{path}.{key}", "is required")
+    _check_match(f"{path}.match", raw["match"])
+    _check_when(f"{path}.when", raw["when"])
+    if "region_dispatch" not in raw:
+        raise PlanError(f"{path}.region_dispatch", f"is required; it {_REGION_DISPATCH_HINT}")
+    _check_region_dispatch(f"{path}.region_dispatch", raw["region_dispatch"])
+    inner_target = raw.get("inner_target", "self")
+    _check_inner_target(f"{path}.inner_target", inner_target)
+
+    has_wrapper, has_fn = "inner_wrapper" in raw, "local_compute_fn" in raw
+    if has_wrapper == has_fn:
+        raise PlanError(
+            f"{path}.inner_wrapper",
+            "exactly one of inner_wrapper / local_compute_fn is required"
+            + (" (both are set)" if has_wrapper else " (neither is set)"),
+        )
+    if has_fn:
+        _check_local_compute_fn(f"{path}.local_compute_fn", raw["local_compute_fn"])
+    method = _resolve_inner_wrapper(f"{path}.inner_wrapper", raw["inner_wrapper"])
+    return Override(
+        match=raw["match"], when=raw["when"], region_dispatch=False,
+        inner_target=inner_target, method=method, local_compute_fn=None, index=index,
+    )
+
+
+def _resolve_inner_wrapper(path: str, spec: Any) -> CPMethod:
+    """Turn an `inner_wrapper` value into the CPMethod its (marked) wrapper returns."""
+    if isinstance(spec, str):
+        return _call_wrapper(path, spec, _lookup_name(path, spec), {})
+    if isinstance(spec, Mapping):
+        if TARGET_KEY not in spec:
+            raise PlanError(f"{path}.{TARGET_KEY}", "is required when inner_wrapper is a mapping")
+        target = spec[TARGET_KEY]
+        params = {k: v for k, v in spec.items() if k != TARGET_KEY}
+        for key in params:
+            if not isinstance(key, str):
+                raise PlanError(path, f"parameter names must be strings, got {key!r}")
+        if isinstance(target, str):
+            try:
+                fn = registry.import_marked_target(target)
+            except ValueError as exc:
+                raise PlanError(f"{path}.{TARGET_KEY}", str(exc)) from exc
+            return _call_wrapper(path, target, fn, params)
+        if callable(target):
+            return _call_wrapper(path, _callable_name(target), _check_marked(f"{path}.{TARGET_KEY}", target), params)
+        raise PlanError(f"{path}.{TARGET_KEY}", f"must be a dotted path string, got {type(target).__name__}")
+    if callable(spec):  # a dict or Python plan may hand over the wrapper object itself
+        return _call_wrapper(path, _callable_name(spec), _check_marked(path, spec), {})
+    raise PlanError(
+        path,
+        f"must be a registered name, a mapping with {TARGET_KEY}, or a marked callable; "
+        f"got {type(spec).__name__}",
+    )
+
+
+def _lookup_name(path: str, name: str) -> Callable:
+    names = registry.registered_names()
+    if name not in names:
+        hint = f"; for a dotted path write {{{TARGET_KEY}: {name}}}" if "." in name else ""
+        raise PlanError(path, f"unknown inner wrapper {name!r}; registered names: {', '.join(names)}{hint}")
+    try:
+        return registry.lookup_registered(name)
+    except ValueError as exc:
+        raise PlanError(path, f"registered wrapper {name!r} cannot be loaded: {exc}") from exc
+
+
+def _check_marked(path: str, fn: Any) -> Callable:
+    if not registry.is_inner_wrapper(fn):
+        raise PlanError(
+            path,
+            f"{_callable_name(fn)} is not marked with @cpcompile.inner_wrapper; "
+            "plans may only call marked inner wrappers",
+        )
+    return fn
+
+
+def _call_wrapper(path: str, label: str, fn: Callable, params: dict[str, Any]) -> CPMethod:
+    try:
+        inspect.signature(fn).bind(**params)
+    except TypeError as exc:
+        raise PlanError(path, f"bad parameters for inner wrapper {label}: {exc}") from exc
+    except ValueError:  # no introspectable signature (some builtins): let the call decide
+        pass
+    try:
+        method = fn(**params)
+    except (TypeError, ValueError) as exc:
+        given = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "no parameters"
+        raise PlanError(path, f"inner wrapper {label} rejected its parameters ({given}): {exc}") from exc
+    if not isinstance(method, CPMethod):
+        raise PlanError(
+            path, f"inner wrapper {label} returned {type(method).__name__}, expected a CPMethod"
+        )
+    return method
+
+
+def _callable_name(fn: Any) -> str:
+    module = getattr(fn, "__module__", None)
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}" if module else name
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def _reject_unknown_keys(path: str, raw: Mapping, allowed: tuple[str, ...]) -> None:
+    for key in raw:
+        if key not in allowed:
+            where = f"{path}.{key}" if path else str(key)
+            raise PlanError(where, f"unknown key; allowed keys: {', '.join(allowed)}")
+
+
+def _check_size(path: str, value: Any) -> None:
+    if type(value) is not int:  # bool is an int subclass; refuse it here
+        raise PlanError(path, f"must be an integer >= 1, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise PlanError(path, f"must be an integer >= 1, got {value}")
+
+
+def _check_flag(path: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PlanError(path, f"must be true or false, got {value!r} ({type(value).__name__})")
+
+
+def _check_match(path: str, value: Any) -> None:
+    if not isinstance(value, str) or not value.strip():
+        raise PlanError(path, f"must be a non-empty string (an fnmatch glob over module FQNs), got {value!r}")
+
+
+def _check_when(path: str, value: Any) -> None:
+    if not isinstance(value, str) or value not in SUPPORTED_WHEN:
+        raise PlanError(path, f"unsupported value {value!r}; accepted: {', '.join(SUPPORTED_WHEN)}")
+
+
+def _check_region_dispatch(path: str, value: Any) -> None:
+    if value is not False:
+        raise PlanError(path, f"got {value!r}; it {_REGION_DISPATCH_HINT}")
+
+
+def _check_inner_target(path: str, value: Any) -> None:
+    if not isinstance(value, str):
+        raise PlanError(path, f"must be 'self' or a dotted submodule path, got {type(value).__name__}")
+    if value == "self":
+        return
+    parts = value.split(".")
+    if not all(p and (p.isidentifier() or p.isdigit()) for p in parts):
+        raise PlanError(path, f"must be 'self' or a dotted submodule path like 'core_attention', got {value!r}")
+
+
+def _check_local_compute_fn(path: str, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise PlanError(path, f"must be a dotted path string, got {value!r}")
+    raise PlanError(path, LOCAL_COMPUTE_FN_UNSUPPORTED)
+
+
+def _check_unique_matches(overrides: tuple[Override, ...]) -> None:
+    seen: dict[str, int] = {}
+    for o in overrides:
+        if o.match in seen:
+            raise PlanError(
+                o.field("match"),
+                f"{o.match!r} is also the match of plan_overrides[{seen[o.match]}]; "
+                "each module may have only one override (ambiguous)",
+            )
+        seen[o.match] = o.index

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Create ./.venv (if missing) and install cpcompile with its test extras into it.
+# Used by the demo and test commands of the README, and by CI, so all three set up alike.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null
+# torch first and pinned to a CPU-capable release; any torch>=2.11 works with cpcompile.
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[test,triton]"
