@@ -35,6 +35,7 @@ class PassContext:
     cp_size: int
     cp_rank: int
     group_name: str
+    mesh: Any = None  # the CPMesh, for methods that need sub-groups (built before any trace)
     example_inputs: list[Any] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

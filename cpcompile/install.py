@@ -49,6 +49,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         return model
     reject_unsupported_combinations(plan)
     targets = resolve_targets(model, overrides)
+    build_subgroups(mesh, overrides)
     example = example_inputs if example_inputs is not None else default_example(model)
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
     check_coverage(targets, probe.core_sites)
@@ -69,6 +70,17 @@ def reject_unsupported_combinations(plan) -> None:
             raise NotImplementedError(
                 f"accelerator.{name}={getattr(acc, name)} together with context parallelism is not supported yet"
             )
+
+
+def build_subgroups(mesh, overrides: list[Override]) -> None:
+    """Create every sub-group a method needs now, on all ranks in one order.
+
+    `new_group` is collective; a region re-traced later (a new input shape) may do so on one
+    rank only, so passes must find their groups already built and cached in the mesh.
+    """
+    degrees = sorted({o.method.params["ulysses_degree"] for o in overrides if "ulysses_degree" in o.method.params})
+    for degree in degrees:
+        mesh.cp_subgroups(degree)
 
 
 def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]:
@@ -160,6 +172,7 @@ class InstalledRegion:
             cp_size=self.mesh.cp_size,
             cp_rank=self.mesh.cp_rank,
             group_name=self.mesh.cp_group_name,
+            mesh=self.mesh,
             example_inputs=program.flat_inputs(target.module, args, kwargs),
         )
         variant = len(self.programs)

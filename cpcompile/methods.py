@@ -23,7 +23,9 @@ class CPMethod:
     wrapper: str
     layout: str = CONTIGUOUS
     params: Mapping[str, Any] = field(default_factory=dict)
+    asynchronous: bool = False  # launches at the producer, waits at the consumer (schedule pass)
 
     def describe(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in sorted(self.params.items()))
-        return f"{self.core}:{self.name}{extra} (via {self.wrapper})"
+        mode = " async" if self.asynchronous else ""
+        return f"{self.core}:{self.name}{mode}{extra} (via {self.wrapper})"

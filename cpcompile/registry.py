@@ -15,6 +15,8 @@ _MARKER = "__cpcompile_inner_wrapper__"
 _REGISTERED: dict[str, str] = {
     "sdpa_hf": "cpcompile.wrappers.sdpa_hf_cp_wrapper",
     "sdpa_qkv": "cpcompile.wrappers.sdpa_qkv_cp_wrapper",
+    "sdpa_hf_ulysses": "cpcompile.wrappers.sdpa_hf_ulysses_cp_wrapper",
+    "sdpa_qkv_ulysses": "cpcompile.wrappers.sdpa_qkv_ulysses_cp_wrapper",
 }
 
 

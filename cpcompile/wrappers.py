@@ -1,21 +1,78 @@
-"""Built-in inner wrappers for softmax attention (SDPA). Each fixes one CP method."""
+"""Built-in inner wrappers for softmax attention (SDPA). Each fixes one CP method.
+
+A wrapper is called with the plan's parameters and returns a `CPMethod`; the rewrite passes
+read only that. Sync and async are different wrappers, never a flag in the plan.
+"""
 from __future__ import annotations
 
-from .methods import CONTIGUOUS, CPMethod
+from .methods import CONTIGUOUS, HEAD_TAIL, CPMethod
 from .registry import inner_wrapper
+
+
+def _method(name: str, wrapper: str, *, layout: str = CONTIGUOUS, asynchronous: bool = False, **params) -> CPMethod:
+    return CPMethod(name=name, core="sdpa", wrapper=wrapper, layout=layout, params=params, asynchronous=asynchronous)
+
+
+def _check_ulysses_degree(ulysses_degree: int) -> int:
+    if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 2:
+        raise ValueError(f"ulysses_degree must be an integer >= 2, got {ulysses_degree!r}")
+    return ulysses_degree
 
 
 @inner_wrapper
 def sdpa_hf_cp_wrapper() -> CPMethod:
-    """AllGather ("Colossal") CP for a Hugging Face attention module calling SDPA.
-
-    Q stays local; K and V are all-gathered over the `cp` mesh (backward: reduce-scatter);
-    the causal mask is rebuilt with the local query block's global offset.
-    """
-    return CPMethod(name="all_gather", core="sdpa", wrapper="sdpa_hf_cp_wrapper", layout=CONTIGUOUS)
+    """AllGather ("Colossal"): Q stays local; K and V are all-gathered over `cp` (backward:
+    reduce-scatter); the causal mask uses the local query block's global offset."""
+    return _method("all_gather", "sdpa_hf_cp_wrapper")
 
 
 @inner_wrapper
 def sdpa_qkv_cp_wrapper() -> CPMethod:
-    """AllGather CP for a core-attention module whose forward takes (q, k, v) and calls SDPA."""
-    return CPMethod(name="all_gather", core="sdpa", wrapper="sdpa_qkv_cp_wrapper", layout=CONTIGUOUS)
+    """AllGather for a core-attention module whose forward takes (q, k, v) and calls SDPA."""
+    return _method("all_gather", "sdpa_qkv_cp_wrapper")
+
+
+@inner_wrapper
+def sdpa_hf_ulysses_cp_wrapper() -> CPMethod:
+    """Ulysses: Q/K/V sequence→head all-to-all over `cp`, full-sequence attention on H/cp heads,
+    output head→sequence all-to-all. The degree is always cp_size."""
+    return _method("ulysses", "sdpa_hf_ulysses_cp_wrapper")
+
+
+@inner_wrapper
+def sdpa_qkv_ulysses_cp_wrapper() -> CPMethod:
+    """Ulysses for a core-attention module whose forward takes (q, k, v)."""
+    return _method("ulysses", "sdpa_qkv_ulysses_cp_wrapper")
+
+
+@inner_wrapper
+def sdpa_hf_hybrid_cp_wrapper(ulysses_degree: int) -> CPMethod:
+    """Hybrid: all-to-all inside Ulysses sub-groups of `ulysses_degree` ranks, then K/V
+    all-gather inside the ring sub-groups (1 < ulysses_degree < cp, cp % ulysses_degree == 0)."""
+    return _method("hybrid", "sdpa_hf_hybrid_cp_wrapper", ulysses_degree=_check_ulysses_degree(ulysses_degree))
+
+
+@inner_wrapper
+def sdpa_hf_load_balance_cp_wrapper() -> CPMethod:
+    """Head-Tail load balance on AllGather: rank r holds sequence chunks r and 2·cp−1−r."""
+    return _method("head_tail", "sdpa_hf_load_balance_cp_wrapper", layout=HEAD_TAIL)
+
+
+@inner_wrapper
+def sdpa_hf_async_cp_wrapper() -> CPMethod:
+    """Async AllGather: each K/V gather launches right after its producer and is waited right
+    before attention, with the Q path scheduled in between."""
+    return _method("all_gather", "sdpa_hf_async_cp_wrapper", asynchronous=True)
+
+
+@inner_wrapper
+def sdpa_hf_async_ulysses_cp_wrapper() -> CPMethod:
+    """Async Ulysses: each sequence→head all-to-all launches right after its producer."""
+    return _method("ulysses", "sdpa_hf_async_ulysses_cp_wrapper", asynchronous=True)
+
+
+@inner_wrapper
+def sdpa_hf_async_hybrid_cp_wrapper(ulysses_degree: int) -> CPMethod:
+    """Async Hybrid: the all-to-all → all-gather chain stays asynchronous end to end."""
+    return _method("hybrid", "sdpa_hf_async_hybrid_cp_wrapper", asynchronous=True,
+                   ulysses_degree=_check_ulysses_degree(ulysses_degree))
