@@ -16,8 +16,6 @@ SDPA_REWRITES = {
 def sdpa_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if ctx.method.core != "sdpa":
         return gm
-    if ctx.method.asynchronous:
-        raise NotImplementedError(f"{ctx.fqn}: asynchronous CP methods are not implemented yet ({ctx.method.wrapper})")
     rewrite = SDPA_REWRITES.get(ctx.method.name)
     if rewrite is None:
         raise NotImplementedError(f"{ctx.fqn}: SDPA method {ctx.method.name!r} has no rewrite")
