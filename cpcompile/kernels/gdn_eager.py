@@ -1,0 +1,403 @@
+"""Pure-PyTorch (eager) reference backend for the Gated DeltaNet (GDN) core used by Qwen3.5.
+
+Conventions (those of transformers' ``torch_chunk_gated_delta_rule`` for Qwen3.5):
+
+- ``q, k [B, T, Hk, K]``, ``v [B, T, Hv, V]``, ``g, beta [B, T, Hv]``; ``g`` is a log-space decay
+  (``<= 0``), ``beta`` a write strength in ``(0, 1)``.
+- Grouped value heads: ``Hv`` is a multiple of ``Hk`` and value head ``h`` reads key/query head
+  ``h // (Hv // Hk)`` (transformers' ``repeat_interleave`` on the head dim, not ``repeat``).
+- ``use_qk_l2norm_in_kernel`` normalises q and k as ``x * rsqrt(sum(x^2) + 1e-6)`` in the compute
+  dtype; ``scale`` (default ``K ** -0.5``) multiplies q afterwards.
+- State ``H [B, Hv, K, V]``. Per token::
+
+      H   <- exp(g_t) H
+      u_t  = beta_t (v_t - H^T k_t)          # delta rule: write only what H does not predict
+      H   <- H + k_t u_t^T
+      o_t  = H^T (scale q_t)
+
+- Math runs in fp32 (float64 when an input is float64, so tests can be tight); ``o`` comes back in
+  q's dtype, the final state in the compute dtype.
+
+Chunkwise (WY / UT-transform) form, per chunk of ``C`` tokens entered with state ``H0``, with
+``gamma`` the inclusive cumulative sum of ``g`` inside the chunk and ``D_ij = exp(gamma_i - gamma_j)``:
+
+    A  = strictly_lower(beta_i k_i.k_j D_ij),  T = (I + A)^-1
+    U  = T (beta v)                  # the chunk's updates if H0 were zero
+    W  = T (beta exp(gamma) k)       # how much each update subtracts per unit of H0
+    u  = U - W H0                    # the true per-token updates
+    o  = exp(gamma) q H0 + lower_incl(q k^T * D) u
+    H1 = M_c H0 + S_c,  M_c = exp(gamma_C) I - k~^T W,  S_c = k~^T U,  k~_t = exp(gamma_C - gamma_t) k_t
+
+So every chunk's ``(M_c, S_c)`` summary is computed in parallel; the only serial part is the tiny
+chain ``H_{c+1} = M_c H_c + S_c``, after which all outputs are again one batched computation. The
+same per-chunk summaries, tree-reduced, give a segment's ``(M, S)`` for State-P2P / AllGather CP.
+The affine algebra on summaries lives in ``gdn_eager_summary`` and is re-exported here.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from cpcompile.kernels.gdn_eager_summary import (
+    apply_summary,
+    chain_state_grads,
+    combine_summaries,
+    compose_summaries,
+    reduce_summaries_over_chunks,
+    summary_adjoint,
+)
+
+__all__ = [
+    "L2NORM_EPS",
+    "apply_summary",
+    "chain_state_grads",
+    "chunk_gated_delta_rule_eager",
+    "combine_summaries",
+    "compose_summaries",
+    "compute_dtype",
+    "expand_key_heads",
+    "gdn_local_state_grad",
+    "gdn_segment_summary",
+    "l2_normalize",
+    "naive_recurrent_gated_delta_rule",
+    "prepare_qk",
+    "summary_adjoint",
+]
+
+L2NORM_EPS = 1e-6  # transformers' (and fla's) epsilon for q/k L2 normalisation
+
+
+# ----------------------------------------------------------------------------- input preparation
+
+
+def l2_normalize(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
+    """``x * rsqrt(sum(x^2, -1) + eps)``: the exact formula transformers uses, eps inside the root."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
+    """float64 if any input is float64 (reference checks), else fp32 (bf16/fp16 never carry state)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
+def expand_key_heads(x: Tensor, num_v_heads: int) -> Tensor:
+    """``[B, T, Hk, D] -> [B, T, Hv, D]`` so that value head ``h`` sees key head ``h // (Hv // Hk)``."""
+    num_k_heads = x.shape[2]
+    if num_k_heads == num_v_heads:
+        return x
+    return x.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+
+
+def prepare_qk(
+    q: Tensor, k: Tensor, use_qk_l2norm_in_kernel: bool, *, dtype: torch.dtype = torch.float32
+) -> tuple[Tensor, Tensor]:
+    """Cast q, k to the compute dtype and optionally L2-normalise them (no head expansion, no scale).
+
+    Normalising after the cast matches transformers, which normalises in fp32 for accuracy.
+    """
+    q, k = q.to(dtype), k.to(dtype)
+    if use_qk_l2norm_in_kernel:
+        q, k = l2_normalize(q), l2_normalize(k)
+    return q, k
+
+
+def _check_inputs(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> None:
+    """Fail fast, naming the offending tensor, before any shape error surfaces deep in a matmul."""
+    if k.dim() != 4 or v.dim() != 4:
+        raise ValueError(f"k and v must be [B, T, H, D]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+    batch, seq_len, num_k_heads, k_dim = k.shape
+    num_v_heads, v_dim = v.shape[2], v.shape[3]
+    if q is not None and q.shape != k.shape:
+        raise ValueError(f"q must have k's shape {tuple(k.shape)}; got {tuple(q.shape)}")
+    if v.shape[:2] != (batch, seq_len):
+        raise ValueError(f"v must be [B={batch}, T={seq_len}, Hv, V]; got {tuple(v.shape)}")
+    if num_v_heads % num_k_heads != 0:
+        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+    for name, t in (("g", g), ("beta", beta)):
+        if tuple(t.shape) != (batch, seq_len, num_v_heads):
+            raise ValueError(f"{name} must be [B, T, Hv] = {(batch, seq_len, num_v_heads)}; got {tuple(t.shape)}")
+    if state is not None and tuple(state.shape) != (batch, num_v_heads, k_dim, v_dim):
+        raise ValueError(
+            f"initial_state must be [B, Hv, K, V] = {(batch, num_v_heads, k_dim, v_dim)}; got {tuple(state.shape)}"
+        )
+
+
+class _HeadMajor(NamedTuple):
+    """Prepared inputs, head-major ``[B, Hv, T, ...]``, in the compute dtype, q scaled."""
+
+    q: Tensor | None
+    k: Tensor
+    v: Tensor | None
+    g: Tensor
+    beta: Tensor
+
+
+def _prepare(
+    q: Tensor | None,
+    k: Tensor,
+    v: Tensor | None,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None,
+    use_qk_l2norm_in_kernel: bool,
+    dtype: torch.dtype,
+) -> _HeadMajor:
+    # Normalise per key head before expanding to value heads: same result, Hv/Hk times less work.
+    num_v_heads = g.shape[2]
+    if q is not None:
+        q, k = prepare_qk(q, k, use_qk_l2norm_in_kernel, dtype=dtype)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        q = expand_key_heads(q, num_v_heads).transpose(1, 2) * scale
+    else:
+        k = l2_normalize(k.to(dtype)) if use_qk_l2norm_in_kernel else k.to(dtype)
+    k = expand_key_heads(k, num_v_heads).transpose(1, 2)
+    v = None if v is None else v.to(dtype).transpose(1, 2)
+    return _HeadMajor(q, k, v, g.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2))
+
+
+def _initial_state(state: Tensor | None, like: Tensor, value_dim: int) -> Tensor:
+    batch, heads, _, key_dim = like.shape
+    if state is None:
+        return like.new_zeros(batch, heads, key_dim, value_dim)
+    return state.to(like.dtype)
+
+
+# ----------------------------------------------------------------------------- recurrent oracle
+
+
+def naive_recurrent_gated_delta_rule(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Token-by-token GDN: the oracle every other form is checked against. O(T) Python steps."""
+    _check_inputs(q, k, v, g, beta, initial_state)
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
+    x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    state = _initial_state(initial_state, x.k, x.v.shape[-1])
+    outputs = []
+    for t in range(x.k.shape[2]):
+        k_t = x.k[:, :, t]
+        state = state * x.g[:, :, t].exp()[..., None, None]
+        predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)  # what the decayed state recalls for k_t
+        update = x.beta[:, :, t, None] * (x.v[:, :, t] - predicted)
+        state = state + k_t[..., :, None] * update[..., None, :]
+        outputs.append(torch.einsum("bhk,bhkv->bhv", x.q[:, :, t], state))
+    out = torch.stack(outputs, dim=2) if outputs else x.v.new_zeros(x.v.shape)
+    return out.transpose(1, 2).to(q.dtype), (state if output_final_state else None)
+
+
+# ----------------------------------------------------------------------------- chunkwise pieces
+
+
+def _to_chunks(x: Tensor, chunk_size: int) -> Tensor:
+    """``[B, H, T, ...] -> [B, H, N, C, ...]``, zero-padding T up to a multiple of C.
+
+    Zero padding is exact: a padded token has ``g = 0`` (no decay), ``beta = 0`` and ``k = 0``, so
+    its transition is the identity and it writes nothing; padded outputs are sliced off.
+    """
+    seq_len = x.shape[2]
+    pad = (-seq_len) % chunk_size
+    trailing = x.dim() - 3  # feature dims after T
+    if pad:
+        x = F.pad(x, (0, 0) * trailing + (0, pad))
+    return x.reshape(*x.shape[:2], -1, chunk_size, *x.shape[3:])
+
+
+def _decay_matrix(gamma: Tensor, *, include_diagonal: bool) -> Tensor:
+    """``exp(gamma_i - gamma_j)`` on the causal (lower) triangle, 0 above it.
+
+    Masking happens before ``exp`` so the (positive) upper-triangle exponents never overflow.
+    """
+    chunk = gamma.shape[-1]
+    above = torch.ones(chunk, chunk, dtype=torch.bool, device=gamma.device).triu(1 if include_diagonal else 0)
+    diff = gamma[..., :, None] - gamma[..., None, :]
+    return diff.masked_fill(above, float("-inf")).exp()
+
+
+class _ChunkWY(NamedTuple):
+    """Intra-chunk quantities that do not depend on the chunk's entering state."""
+
+    gamma: Tensor  # [B, H, N, C] inclusive cumsum of g inside each chunk
+    updates: Tensor | None  # U = T (beta v)              [B, H, N, C, V]
+    state_readers: Tensor  # W = T (beta exp(gamma) k)   [B, H, N, C, K]
+
+
+def _chunk_wy(k: Tensor, v: Tensor | None, g: Tensor, beta: Tensor) -> _ChunkWY:
+    """UT transform of every chunk at once (chunked ``[B, H, N, C, ...]`` inputs).
+
+    One triangular solve per chunk replaces C sequential rank-1 delta updates; U and W share the
+    solve by stacking their right-hand sides.
+    """
+    gamma = g.cumsum(dim=-1)
+    system = (k @ k.transpose(-1, -2)) * beta[..., None] * _decay_matrix(gamma, include_diagonal=False)
+    k_rhs = k * (beta * gamma.exp())[..., None]
+    rhs = k_rhs if v is None else torch.cat([v * beta[..., None], k_rhs], dim=-1)
+    # unitriangular=True: the system is I + strictly-lower A; the zero diagonal we pass is ignored.
+    solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    if v is None:
+        return _ChunkWY(gamma, None, solved)
+    value_dim = v.shape[-1]
+    return _ChunkWY(gamma, solved[..., :value_dim], solved[..., value_dim:])
+
+
+def _keys_to_chunk_end(k: Tensor, gamma: Tensor) -> Tensor:
+    """``k_t * exp(gamma_C - gamma_t)``: each key as still visible in the state at the chunk's end."""
+    return k * (gamma[..., -1:] - gamma).exp()[..., None]
+
+
+def _chunk_transition(k: Tensor, wy: _ChunkWY) -> Tensor:
+    """``M_c = exp(gamma_C) I - k~^T W`` for every chunk: ``[B, H, N, K, K]``."""
+    key_dim = k.shape[-1]
+    eye = torch.eye(key_dim, dtype=k.dtype, device=k.device)
+    decayed_keys = _keys_to_chunk_end(k, wy.gamma)
+    return wy.gamma[..., -1].exp()[..., None, None] * eye - decayed_keys.transpose(-1, -2) @ wy.state_readers
+
+
+def _chunk_summaries(k: Tensor, wy: _ChunkWY) -> tuple[Tensor, Tensor]:
+    """Per-chunk ``(M_c [B,H,N,K,K], S_c [B,H,N,K,V])``, all chunks in parallel."""
+    decayed_keys = _keys_to_chunk_end(k, wy.gamma)
+    return _chunk_transition(k, wy), decayed_keys.transpose(-1, -2) @ wy.updates
+
+
+def _scan_chunk_states(M: Tensor, S: Tensor, state: Tensor) -> tuple[Tensor, Tensor]:
+    """The one serial loop: states entering each chunk ``[B, H, N, K, V]``, and the final state."""
+    entering = []
+    for c in range(M.shape[2]):
+        entering.append(state)
+        state = apply_summary(M[:, :, c], S[:, :, c], state)
+    return torch.stack(entering, dim=2), state
+
+
+def _output_state_readout(q: Tensor, wy: _ChunkWY, intra: Tensor) -> Tensor:
+    """``exp(gamma) q - intra @ W``: how each output reads the chunk's entering state ``[.., C, K]``."""
+    return q * wy.gamma.exp()[..., None] - intra @ wy.state_readers
+
+
+def _intra_chunk_scores(q: Tensor, k: Tensor, gamma: Tensor) -> Tensor:
+    """Causal, decayed ``q k^T`` inside each chunk (diagonal included: o_t sees its own update)."""
+    return (q @ k.transpose(-1, -2)) * _decay_matrix(gamma, include_diagonal=True)
+
+
+# ----------------------------------------------------------------------------- public chunkwise API
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+
+
+def chunk_gated_delta_rule_eager(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor | None]:
+    """Chunkwise GDN, equal to ``naive_recurrent_gated_delta_rule``; differentiable by autograd.
+
+    Any ``chunk_size`` and any ``T`` (padded internally, exactly). Returns ``(o [B,T,Hv,V] in q's
+    dtype, final state [B,Hv,K,V] in the compute dtype or None)``.
+    """
+    _check_inputs(q, k, v, g, beta, initial_state)
+    _check_chunk_size(chunk_size)
+    dtype = compute_dtype(q, k, v, g, beta, initial_state)
+    x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    seq_len, value_dim = x.k.shape[2], x.v.shape[-1]
+    state = _initial_state(initial_state, x.k, value_dim)
+    if seq_len == 0:
+        return v.new_zeros(v.shape, dtype=q.dtype), (state if output_final_state else None)
+
+    qc, kc, vc = (_to_chunks(t, chunk_size) for t in (x.q, x.k, x.v))
+    gc, bc = _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size)
+    wy = _chunk_wy(kc, vc, gc, bc)
+    entering, final_state = _scan_chunk_states(*_chunk_summaries(kc, wy), state)
+
+    intra = _intra_chunk_scores(qc, kc, wy.gamma)
+    out = _output_state_readout(qc, wy, intra) @ entering + intra @ wy.updates
+    out = out.reshape(*out.shape[:2], -1, value_dim)[:, :, :seq_len]
+    return out.transpose(1, 2).to(q.dtype), (final_state if output_final_state else None)
+
+
+def gdn_segment_summary(
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    chunk_size: int = 64,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """``(M [B,Hv,K,K], S [B,Hv,K,V])`` of a whole segment, in the compute dtype (fp32/float64).
+
+    ``H_out = M @ H_in + S`` for any ``H_in``. Built from per-chunk summaries (computed in parallel)
+    combined by a pairwise tree, never from T per-token K x K products. Needs no q: the state does
+    not depend on queries.
+    """
+    _check_inputs(None, k, v, g, beta, None)
+    _check_chunk_size(chunk_size)
+    dtype = compute_dtype(k, v, g, beta)
+    x = _prepare(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    batch, heads, seq_len, key_dim = x.k.shape
+    if seq_len == 0:
+        eye = torch.eye(key_dim, dtype=dtype, device=k.device).expand(batch, heads, key_dim, key_dim)
+        return eye.clone(), x.k.new_zeros(batch, heads, key_dim, x.v.shape[-1])
+    kc = _to_chunks(x.k, chunk_size)
+    wy = _chunk_wy(kc, _to_chunks(x.v, chunk_size), _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size))
+    return reduce_summaries_over_chunks(*_chunk_summaries(kc, wy))
+
+
+def gdn_local_state_grad(
+    q: Tensor,
+    k: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    d_o: Tensor,
+    *,
+    chunk_size: int = 64,
+    scale: float | None = None,
+    use_qk_l2norm_in_kernel: bool = False,
+) -> Tensor:
+    """Gradient w.r.t. the segment's entering state through its own outputs only: ``[B,Hv,K,V]``.
+
+    The outputs are affine in the entering state, so this term needs neither v nor the state
+    itself; a State-P2P rank can compute it before ``dH_out`` arrives and then send
+    ``dH_in = local + M^T dH_out`` at once. Per chunk the readout is ``R_c = exp(gamma) q - intra W``,
+    and the chunk chain runs backwards: ``d_c = R_c^T dO_c + M_c^T d_{c+1}``.
+    """
+    if d_o.dim() != 4 or tuple(d_o.shape[:3]) != tuple(g.shape):
+        raise ValueError(f"d_o must be [B, T, Hv, V] matching g {tuple(g.shape)}; got {tuple(d_o.shape)}")
+    _check_inputs(q, k, d_o, g, beta, None)
+    _check_chunk_size(chunk_size)
+    dtype = compute_dtype(q, k, g, beta, d_o)
+    x = _prepare(q, k, d_o, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    batch, heads, seq_len, key_dim = x.k.shape
+    grad = x.k.new_zeros(batch, heads, key_dim, x.v.shape[-1])  # nothing flows in from dH_out here
+    if seq_len == 0:
+        return grad
+    qc, kc, d_oc = (_to_chunks(t, chunk_size) for t in (x.q, x.k, x.v))
+    wy = _chunk_wy(kc, None, _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size))
+    readout = _output_state_readout(qc, wy, _intra_chunk_scores(qc, kc, wy.gamma))
+    local = readout.transpose(-1, -2) @ d_oc  # [B, H, N, K, V]: each chunk's own output term
+    transition = _chunk_transition(kc, wy)
+    for c in reversed(range(transition.shape[2])):
+        grad = local[:, :, c] + summary_adjoint(transition[:, :, c], grad)
+    return grad
