@@ -41,7 +41,9 @@ class PassContext:
     notes: list[str] = field(default_factory=list)
     cores_rewritten: int = 0
 
-    def record(self, kind: str, purpose: str, launch: torch.fx.Node, wait: torch.fx.Node) -> None:
-        self.collectives.append(
-            CollectiveRecord(kind, purpose, self.group_name, self.cp_size, launch.name, wait.name)
-        )
+    def record(self, kind: str, purpose: str, launch: torch.fx.Node, wait: torch.fx.Node,
+               group_name: str | None = None, group_size: int | None = None) -> None:
+        """Record one inserted collective; the group defaults to the whole cp group."""
+        self.collectives.append(CollectiveRecord(
+            kind, purpose, group_name or self.group_name, group_size or self.cp_size, launch.name, wait.name
+        ))

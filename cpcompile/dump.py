@@ -16,6 +16,7 @@ import torch.fx as fx
 
 from . import collectives as C
 from .context import PassContext
+from .passes.schedule import is_compute, is_model_compute
 
 ENV_VAR = "CPCOMPILE_DUMP_DIR"
 
@@ -26,23 +27,31 @@ def resolve_dump_dir(dump_dir: str | os.PathLike | None) -> Path | None:
 
 
 def collective_report(gm: fx.GraphModule) -> list[dict[str, Any]]:
-    """For each launch in `gm`: its wait, their positions, and the compute between them."""
-    order = {node: i for i, node in enumerate(gm.graph.nodes)}
+    """For each launch in `gm`: its wait, their positions, and the nodes between them.
+
+    `between` lists every op between launch and wait; `compute_between` the ones that
+    produce new data (no views, no collectives); `model_compute_between` those of them the
+    model itself does rather than a CP pass — what an async method hides communication behind.
+    """
+    nodes = list(gm.graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
     rows = []
-    for node in gm.graph.nodes:
+    for node in nodes:
         if node.op != "call_function" or not C.is_launch(node.target):
             continue
         waits = [u for u in node.users if C.is_wait(u.target)]
         wait = waits[0] if waits else None
         end = order[wait] if wait is not None else order[node]
-        between = [n.name for n in gm.graph.nodes if order[node] < order[n] < end and n.op == "call_function"]
+        between = [n for n in nodes[order[node] + 1: end] if n.op == "call_function"]
         rows.append({
             "collective": C.collective_kind(node.target),
             "launch": node.name,
             "launch_pos": order[node],
             "wait": wait.name if wait is not None else None,
             "wait_pos": end if wait is not None else None,
-            "between": between,
+            "between": [n.name for n in between],
+            "compute_between": [n.name for n in between if is_compute(n)],
+            "model_compute_between": [n.name for n in between if is_model_compute(n)],
         })
     return rows
 
@@ -110,6 +119,7 @@ def format_summary(regions: list[dict[str, Any]]) -> str:
                 lines.append(
                     f"{head} {c['collective']}({c.get('purpose', '')}) {c['launch']}@{c['launch_pos']} -> "
                     f"{c['wait']}@{c['wait_pos']}, {len(c['between'])} between"
+                    f" ({len(c.get('compute_between', []))} compute, {len(c.get('model_compute_between', []))} model)"
                 )
             first = False
         for note in r.get("notes", []):

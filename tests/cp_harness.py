@@ -105,3 +105,87 @@ def assert_equivalent(result: dict, tol: float = 1e-5) -> None:
     assert result["loss"] <= tol, f"loss rel err {result['loss']:.3g}"
     worst = max(result["grads"], key=result["grads"].get)
     assert result["grads"][worst] <= tol, f"gradient of {worst}: rel err {result['grads'][worst]:.3g}"
+
+
+# ----------------------------------------------------------------------------- other SDPA methods
+
+HEAD_TAIL_WRAPPER = {"_target_": "cpcompile.wrappers.sdpa_hf_load_balance_cp_wrapper"}
+
+
+def hybrid_wrapper(ulysses_degree: int) -> dict:
+    return {"_target_": "cpcompile.wrappers.sdpa_hf_hybrid_cp_wrapper", "ulysses_degree": ulysses_degree}
+
+
+def qwen3_with_heads(seed: int, q_heads: int, kv_heads: int, layers: int = 1):
+    """A tiny Qwen3 with chosen head counts (head_dim 8), for head-divisibility rules."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+        num_attention_heads=q_heads, num_key_value_heads=kv_heads, head_dim=8, attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def method_scenarios(seed: int, world: int, wrapper) -> dict:
+    """The equivalence runs every SDPA method passes, keyed by scenario name.
+
+    qwen3: GQA (4 query / 2 KV heads), batch 1, no padding: HF calls SDPA without a mask.
+    qwen3_padded: batch 2 with left and right padding: HF passes a mask on some ranks only.
+    llama_mqa_padded: one KV head (Ulysses and Hybrid must replicate it), padded.
+    """
+    plan = sdpa_plan(world, wrapper=wrapper)
+    length = 4 * world  # a multiple of 2·cp, so Head-Tail chunks have 2 tokens
+    return {
+        "qwen3": compare_cp_run(lambda: tiny_qwen3(seed), random_batch(seed + 1, 1, length, padded=False), plan),
+        "qwen3_padded": compare_cp_run(lambda: tiny_qwen3(seed), random_batch(seed + 2, 2, length, padded=True), plan),
+        "llama_mqa_padded": compare_cp_run(lambda: tiny_llama(seed), random_batch(seed + 3, 2, length, padded=True), plan),
+    }
+
+
+def worst_errors(result: dict) -> dict:
+    """The largest relative errors of one `compare_cp_run` result, for reports."""
+    return {"logits": result["logits"], "loss": result["loss"], "grads": max(result["grads"].values())}
+
+
+# ----------------------------------------------------------------------------- async methods (schedule pass)
+
+ASYNC_METHODS = ("all_gather", "ulysses", "hybrid")
+
+
+def method_wrapper(method: str, asynchronous: bool, ulysses_degree: int = 2) -> dict:
+    """The `inner_wrapper` of an SDPA method, sync or async (Hybrid with `ulysses_degree`)."""
+    mode = "_async" if asynchronous else ""
+    name = {"all_gather": "", "ulysses": "_ulysses", "hybrid": "_hybrid"}[method]
+    wrapper = {"_target_": f"cpcompile.wrappers.sdpa_hf{mode}{name}_cp_wrapper"}
+    if method == "hybrid":
+        wrapper["ulysses_degree"] = ulysses_degree
+    return wrapper
+
+
+def cp_outputs(make_model, batch: dict, plan: dict, *, compile_backend=None) -> dict:
+    """This rank's CP run in global terms: logits gathered, loss and gradients summed over cp."""
+    plan = cpcompile.load_plan(plan)
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = cpcompile.shard_batch(batch, mesh, plan)
+    model = cpcompile.compile(make_model(), mesh, plan, example_inputs=local)
+    runner = torch.compile(model, backend=compile_backend) if compile_backend else model
+    out = runner(**local)
+    out.loss.backward()
+    cpcompile.all_reduce_gradients(model, mesh)
+    loss = out.loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=mesh.cp_group)
+    return {
+        "logits": cpcompile.unshard(out.logits.detach(), mesh, plan),
+        "loss": loss,
+        "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+    }
+
+
+def output_errors(got: dict, want: dict) -> dict:
+    """Relative errors of `cp_outputs`-shaped results (logits, loss, worst gradient)."""
+    missing = sorted(set(want["grads"]) - set(got["grads"]))
+    grads = {n: rel(got["grads"][n], g) for n, g in want["grads"].items() if n in got["grads"]}
+    return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]),
+            "grads": max(grads.values()), "missing_grads": missing}

@@ -6,10 +6,16 @@ import torch.fx as fx
 from ..context import PassContext
 from .find_cores import find_sdpa_cores
 from .sdpa_all_gather import rewrite_all_gather
+from .sdpa_head_tail import rewrite_head_tail
+from .sdpa_hybrid import rewrite_hybrid
+from .sdpa_ulysses import rewrite_ulysses
 
 # method name -> rewrite of one core; each later SDPA method adds one entry.
 SDPA_REWRITES = {
     "all_gather": rewrite_all_gather,
+    "ulysses": rewrite_ulysses,
+    "hybrid": rewrite_hybrid,
+    "head_tail": rewrite_head_tail,
 }
 
 
@@ -21,6 +27,8 @@ def sdpa_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         raise NotImplementedError(f"{ctx.fqn}: SDPA method {ctx.method.name!r} has no rewrite")
     for match in find_sdpa_cores(gm):
         rewrite(gm, match, ctx)
+    # Rewrites read K/V before HF's repeat_kv; the repeated copies would otherwise still be made.
+    gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
     return gm

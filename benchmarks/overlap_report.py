@@ -1,0 +1,210 @@
+"""How much communication the async CP methods hide under compute, on CPU with gloo.
+
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/overlap_report.py \
+        [--methods all_gather ulysses] [--seq 2048] [--steps 3] [--dump-dir overlap_dump] [--out FILE]
+    (Hybrid needs 4 ranks: --nproc-per-node 4 --methods hybrid --ulysses-degree 2 --append)
+
+For each method, its sync wrapper and its async wrapper are compiled on one Qwen3-shaped model
+(fp32, batch 1) and profiled with torch.profiler over `--steps` forward+backward steps after one
+warm-up step. Each run exports a Chrome trace per rank into the dump directory, next to
+cpcompile's own graph dump of that run.
+
+How overlap is measured. gloo runs every collective on its own worker thread and the profiler
+records it there as one `gloo:<collective>` event spanning the collective's execution (from
+the moment the worker starts it, peer waiting included, to its completion). The main thread
+records the ATen ops the model runs. Per rank and per phase (forward / backward, split by
+`record_function` markers on the main thread):
+
+    comm total = length of the union of the gloo:* windows
+    hidden     = length of (union of gloo:* windows) ∩ (union of main-thread aten::* windows)
+    overlap    = hidden / comm total
+
+Waiting (`_c10d_functional::wait_tensor`) and issuing collectives are not aten::* ops, so a
+rank blocked in a wait hides nothing. Figures are averaged over ranks. Timing depends on the
+machine (here: CPU cores shared by all ranks and their gloo threads); the ratio is the point.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import cpcompile  # noqa: E402
+
+VOCAB = 1024
+WRAPPERS = {
+    "all_gather": ("sdpa_hf_cp_wrapper", "sdpa_hf_async_cp_wrapper"),
+    "ulysses": ("sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_async_ulysses_cp_wrapper"),
+    "hybrid": ("sdpa_hf_hybrid_cp_wrapper", "sdpa_hf_async_hybrid_cp_wrapper"),
+}
+
+
+def make_model(args):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3Config(
+        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, head_dim=args.hidden // args.heads,
+        attn_implementation="sdpa",
+    )
+    return Qwen3ForCausalLM(config)
+
+
+def plan_for(method: str, asynchronous: bool, args) -> dict:
+    wrapper = {"_target_": f"cpcompile.wrappers.{WRAPPERS[method][asynchronous]}"}
+    if method == "hybrid":
+        wrapper["ulysses_degree"] = args.ulysses_degree
+    return {
+        "accelerator": {"cp_size": dist.get_world_size()},
+        "plan_overrides": [{"match": "*.self_attn", "when": "cp", "region_dispatch": False,
+                            "inner_target": "self", "inner_wrapper": wrapper}],
+    }
+
+
+def profile_run(method: str, asynchronous: bool, args) -> dict:
+    """Compile, warm up, profile; return this rank's overlap figures per phase."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    run_dir = Path(args.dump_dir) / f"{method}_{'async' if asynchronous else 'sync'}"
+    plan = cpcompile.load_plan(plan_for(method, asynchronous, args))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    ids = torch.randint(0, VOCAB, (1, args.seq), generator=torch.Generator().manual_seed(1))
+    local = cpcompile.shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh, plan)
+    model = cpcompile.compile(make_model(args), mesh, plan, example_inputs=local,
+                              dump_dir=run_dir / f"graphs_rank{dist.get_rank()}")
+
+    def step():
+        with record_function("cp_forward"):
+            loss = model(**local).loss
+        with record_function("cp_backward"):
+            loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(args.steps):
+            step()
+    prof.export_chrome_trace(str(run_dir / f"trace_rank{dist.get_rank()}.json"))
+    return overlap_by_phase(prof.events(), args.steps)
+
+
+def overlap_by_phase(events, steps: int) -> dict:
+    """{phase: (comm total ms, hidden ms)} per step, from profiler events (see the module doc)."""
+    phases = {"forward": "cp_forward", "backward": "cp_backward"}
+    main = next(e.thread for e in events if e.name == "cp_forward")
+    comm = union([window(e) for e in events if e.name.startswith("gloo:")])
+    compute = union([window(e) for e in events if e.thread == main and e.name.startswith("aten::")])
+    out = {}
+    for phase, marker in phases.items():
+        spans = union([window(e) for e in events if e.name == marker and e.thread == main])
+        phase_comm = intersect(comm, spans)
+        out[phase] = (length(phase_comm) / steps / 1e3, length(intersect(phase_comm, compute)) / steps / 1e3)
+    return out
+
+
+def window(event) -> tuple[float, float]:
+    return (event.time_range.start, event.time_range.end)
+
+
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [tuple(m) for m in merged]
+
+
+def intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Intersection of two unions of disjoint sorted intervals."""
+    out, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        start, end = max(a[i][0], b[j][0]), min(a[i][1], b[j][1])
+        if start < end:
+            out.append((start, end))
+        if a[i][1] < b[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def length(intervals: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in intervals)
+
+
+def report(rows: list[dict], args) -> str:
+    world = dist.get_world_size()
+    shape = (f"B=1 S={args.seq} (S/cp={args.seq // world}) hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
+             f"layers={args.layers}")
+    lines = [
+        f"# CPU overlap report, {_dt.date.today().isoformat()}",
+        "",
+        f"gloo, CP={world}, {torch.get_num_threads()} intra-op thread(s) per rank, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores shared by all ranks; {args.steps} profiled steps after 1 warm-up; "
+        "figures per step, mean over ranks.",
+        f"Shapes: {shape}, fp32. Produced by `benchmarks/overlap_report.py`; "
+        f"traces in `{args.dump_dir}/<method>_<mode>/trace_rank<r>.json`.",
+        "",
+        "overlap = |gloo windows ∩ main-thread aten windows| / |gloo windows| (see the script's docstring).",
+        "",
+        "| method | mode | phase | shapes | comm total ms | hidden ms | overlap % |",
+        "|---|---|---|---|---:|---:|---:|",
+    ]
+    for r in rows:
+        pct = 100 * r["hidden"] / r["comm"] if r["comm"] else 0.0
+        lines.append(f"| {r['method']} | {r['mode']} | {r['phase']} | {shape} | {r['comm']:.1f} | {r['hidden']:.1f} | {pct:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", nargs="+", default=["all_gather", "ulysses"], choices=sorted(WRAPPERS))
+    parser.add_argument("--seq", type=int, default=2048)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--ulysses-degree", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--dump-dir", default="overlap_dump")
+    parser.add_argument("--out", default=None, help="markdown report (default: benchmarks/results/overlap_<date>_cpu.md)")
+    parser.add_argument("--append", action="store_true", help="add this run's table to --out instead of replacing it")
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")
+    rows = []
+    for method in args.methods:
+        for asynchronous in (False, True):
+            figures = profile_run(method, asynchronous, args)
+            per_rank = [None] * dist.get_world_size()
+            dist.all_gather_object(per_rank, figures)
+            for phase in ("forward", "backward"):
+                comm = sum(r[phase][0] for r in per_rank) / len(per_rank)
+                hidden = sum(r[phase][1] for r in per_rank) / len(per_rank)
+                rows.append({"method": method, "mode": "async" if asynchronous else "sync", "phase": phase,
+                             "comm": comm, "hidden": hidden})
+    if dist.get_rank() == 0:
+        text = report(rows, args)
+        out = Path(args.out or ROOT / "benchmarks" / "results" / f"overlap_{_dt.date.today().isoformat()}_cpu.md")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if args.append and out.exists():
+            text = out.read_text() + "\n" + text
+        out.write_text(text)
+        print(text)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

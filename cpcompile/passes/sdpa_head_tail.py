@@ -1,0 +1,112 @@
+"""Head-Tail load-balanced AllGather CP for one SDPA core.
+
+The sequence is cut into 2·cp chunks of c tokens and cp rank r holds chunks r ("head") and
+t = 2·cp−1−r ("tail"), in that order (`shard_batch` reorders the batch). Under causality the
+head chunk sees few keys and the tail chunk many, so every rank does the same work.
+
+K, V and key validity are all-gathered over cp, which concatenates them rank by rank:
+[c_0, c_{2cp-1}, c_1, c_{2cp-2}, …]. They are then put back into global order (one copy of
+K and V) rather than masked in gathered order, because in global order the keys a chunk can
+see are a prefix: the head chunk attends to the first (r+1)·c keys and the tail chunk to the
+first (t+1)·c, so a rank scores (2·cp+1)·c² query-key pairs per head instead of the 4·cp·c²
+of two full-length masked attentions — the saving load balancing is for. The two outputs are
+concatenated in local order; autograd closes the backward (the gathers become reduce-scatters).
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..context import PassContext
+from .find_cores import SdpaMatch
+from .graph_utils import Emitter, evaluate_node, val
+from .sdpa_all_gather import check_self_attention
+from .sequence_ops import (
+    all_gather_sequence, all_valid_keys, emit_attention, gathered_key_valid, local_key_validity, note_once,
+    replace_core, visible_keys,
+)
+
+aten = torch.ops.aten
+SEQ_DIM = 2  # SDPA layout [B, H, S, D]; gathered key validity is [B, 1, 1, S]
+KEY_VALID_SEQ_DIM = 3
+
+
+def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:
+    emit = Emitter(gm.graph, match.node, "sdpa_head_tail")
+    local_len, global_len = check_self_attention(match, ctx)
+    chunk = chunk_length(ctx, local_len)
+    local_key, local_value, enable_gqa = match.unrepeated_kv()
+    key = to_global_order(emit, all_gather_sequence(emit, ctx, local_key, SEQ_DIM, "K"), SEQ_DIM, ctx.cp_size)
+    value = to_global_order(emit, all_gather_sequence(emit, ctx, local_value, SEQ_DIM, "V"), SEQ_DIM, ctx.cp_size)
+    causal, local_valid = head_tail_key_validity(emit, gm, match, ctx, chunk)
+    key_valid = to_global_order(emit, gathered_key_valid(emit, ctx, local_valid), KEY_VALID_SEQ_DIM, ctx.cp_size)
+    outputs = []
+    for position, chunk_index in enumerate(local_chunks(ctx)):
+        query = emit(aten.slice.Tensor, match.query, SEQ_DIM, position * chunk, (position + 1) * chunk)
+        seen = (chunk_index + 1) * chunk if causal else global_len  # keys this chunk can attend to: a prefix
+        mask = visible_keys(emit, prefix(emit, key_valid, KEY_VALID_SEQ_DIM, seen), causal, chunk, seen,
+                            chunk_index * chunk, val(match.query).device)
+        outputs.append(emit_attention(emit, match, query, prefix(emit, key, SEQ_DIM, seen),
+                                      prefix(emit, value, SEQ_DIM, seen), mask, enable_gqa))
+    replace_core(gm, match, emit(aten.cat.default, outputs, SEQ_DIM))
+    head, tail = local_chunks(ctx)
+    note_once(ctx, f"head-tail: local chunks {head} and {tail} of {2 * ctx.cp_size} ({chunk} tokens each); "
+                   "K/V gathered over cp and put in global order, each chunk attends to its visible key prefix")
+    ctx.cores_rewritten += 1
+
+
+def local_chunks(ctx: PassContext) -> tuple[int, int]:
+    """Global indices of the two chunks this rank holds, in local order (head, then tail)."""
+    return ctx.cp_rank, 2 * ctx.cp_size - 1 - ctx.cp_rank
+
+
+def chunk_length(ctx: PassContext, local_len: int) -> int:
+    if local_len % 2:
+        raise ValueError(
+            f"{ctx.fqn}: Head-Tail load balance needs an even local sequence length (two chunks per rank), "
+            f"got {local_len}; the global length must be a multiple of 2*cp_size={2 * ctx.cp_size} "
+            "(cpcompile.shard_batch checks this, or pads with pad=True)"
+        )
+    return local_len // 2
+
+
+def to_global_order(emit: Emitter, gathered: fx.Node, seq_dim: int, cp_size: int) -> fx.Node:
+    """Gathered order [c_0, c_{2cp-1}, c_1, c_{2cp-2}, …] → global order [c_0, …, c_{2cp-1}].
+
+    Viewing the sequence as [cp, 2, c]: the head chunks are slot 0 in rank order, the tail
+    chunks slot 1 in reverse rank order.
+    """
+    shape = list(val(gathered).shape)
+    per_rank = emit(aten.reshape.default, gathered,
+                    shape[:seq_dim] + [cp_size, 2, shape[seq_dim] // (2 * cp_size)] + shape[seq_dim + 1:])
+    heads = emit(aten.select.int, per_rank, seq_dim + 1, 0)
+    tails = emit(aten.flip.default, emit(aten.select.int, per_rank, seq_dim + 1, 1), [seq_dim])
+    ordered = emit(aten.cat.default, [heads, tails], seq_dim)
+    return emit(aten.reshape.default, ordered, shape)
+
+
+def prefix(emit: Emitter, x: fx.Node, seq_dim: int, length: int) -> fx.Node:
+    return emit(aten.slice.Tensor, x, seq_dim, 0, length)
+
+
+def head_tail_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext,
+                           chunk: int) -> tuple[bool, fx.Node]:
+    """As `local_key_validity`, also accepting the mask HF builds for Head-Tail positions.
+
+    Without a 2-D padding mask, Hugging Face reads the jump in position ids between the two
+    local chunks as two packed sequences and masks each chunk causally on its own. That mask
+    still says every key is valid (the last query of each chunk sees all of its chunk's keys),
+    and the global causal mask below replaces it.
+    """
+    if match.attn_mask is not None and is_chunkwise_causal(evaluate_node(gm, match.attn_mask, ctx.example_inputs), chunk):
+        query = val(match.query)
+        return True, all_valid_keys(emit, query.shape[0], query.shape[SEQ_DIM], query.device)
+    return local_key_validity(emit, gm, match, ctx)
+
+
+def is_chunkwise_causal(mask: torch.Tensor, chunk: int) -> bool:
+    """True for a boolean `[..., 2c, 2c]` mask that is causal inside each chunk and blocks across them."""
+    if mask.dtype != torch.bool or mask.dim() != 4 or mask.shape[-2:] != (2 * chunk, 2 * chunk):
+        return False
+    causal = torch.ones(chunk, chunk, dtype=torch.bool, device=mask.device).tril()
+    return torch.equal(mask, torch.block_diag(causal, causal).expand_as(mask))

@@ -1,0 +1,102 @@
+"""Ulysses CP for one SDPA core, and the head-parallel attention Hybrid builds on.
+
+Each rank trades its sequence block of every head for the whole span of its head group
+(sequence→head all-to-all of Q, K and V over d ranks), runs ordinary attention on H/d heads,
+and trades back (head→sequence all-to-all of the output). Autograd turns each exchange into
+its inverse in backward. Pure Ulysses uses d = cp, so the span is the whole sequence; Hybrid
+exchanges inside Ulysses sub-groups of d ranks and then all-gathers K/V in its ring group.
+"""
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+
+from ..context import PassContext
+from .find_cores import SdpaMatch
+from .graph_utils import Emitter, val
+from .sdpa_all_gather import check_self_attention
+from .sequence_ops import (
+    CommGroup, all_gather_sequence, all_to_all, cp_group, emit_attention, gathered_key_valid,
+    local_key_validity, note_once, replace_core, visible_keys,
+)
+
+aten = torch.ops.aten
+HEAD_DIM, SEQ_DIM = 1, 2  # SDPA layout [B, H, S, D]
+
+
+def rewrite_ulysses(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:
+    rewrite_head_parallel(gm, match, ctx, heads=cp_group(ctx), keys=None,
+                          label=f"Ulysses (cp_size={ctx.cp_size})", pass_name="sdpa_ulysses")
+
+
+def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext, *, heads: CommGroup,
+                          keys: CommGroup | None, label: str, pass_name: str) -> None:
+    """Split heads over `heads` (all-to-all) and, when `keys` is given, gather K/V over it.
+
+    Ulysses groups are blocks of consecutive cp ranks (mesh.py), so after the exchange cp rank
+    r holds the queries of sequence blocks [g·d, (g+1)·d) with g = r // d: one contiguous span
+    starting at g·d·S_local. Gathering K/V over the ring group, whose rank order is g, lays
+    those spans end to end: the global sequence.
+    """
+    emit = Emitter(gm.graph, match.node, pass_name)
+    local_len, global_len = check_self_attention(match, ctx)
+    local_key, local_value, enable_gqa = match.unrepeated_kv()
+    replicas = kv_replicas(ctx, label, heads.size, val(match.query).shape[HEAD_DIM], val(local_key).shape[HEAD_DIM])
+    query = seq_to_heads(emit, ctx, match.query, heads, "Q")
+    key = seq_to_heads(emit, ctx, replicate_heads(emit, local_key, replicas), heads, "K")
+    value = seq_to_heads(emit, ctx, replicate_heads(emit, local_value, replicas), heads, "V")
+    if keys is not None:
+        key = all_gather_sequence(emit, ctx, key, SEQ_DIM, "K", group=keys)
+        value = all_gather_sequence(emit, ctx, value, SEQ_DIM, "V", group=keys)
+    causal, key_valid = local_key_validity(emit, gm, match, ctx)
+    key_valid = gathered_key_valid(emit, ctx, key_valid)
+    span = local_len * heads.size
+    mask = visible_keys(emit, key_valid, causal, span, global_len, (ctx.cp_rank // heads.size) * span,
+                        val(match.query).device)
+    output = emit_attention(emit, match, query, key, value, mask, enable_gqa)
+    replace_core(gm, match, heads_to_seq(emit, ctx, output, heads, "attention output"))
+    ctx.cores_rewritten += 1
+
+
+def kv_replicas(ctx: PassContext, label: str, degree: int, q_heads: int, kv_heads: int) -> int:
+    """How many copies of each KV head the exchange needs (1 unless KV heads < degree).
+
+    Every rank needs the KV heads its query heads read. With fewer KV heads than ranks,
+    copying each KV head degree/kv_heads times gives every rank exactly one, and it is the
+    one its query heads use (query heads % degree == 0 keeps a rank's queries in one group).
+    """
+    if q_heads % degree:
+        raise ValueError(
+            f"{ctx.fqn}: {label} splits attention heads over {degree} ranks, but the module has "
+            f"{q_heads} query heads ({q_heads} % {degree} != 0); use the AllGather wrapper (sdpa_hf), "
+            "which has no head constraint"
+        )
+    if kv_heads % degree == 0:
+        return 1
+    if degree % kv_heads == 0:
+        replicas = degree // kv_heads
+        note_once(ctx, f"{label}: {kv_heads} KV heads < {degree} ranks, each KV head replicated {replicas}x "
+                       "before the all-to-all")
+        return replicas
+    raise ValueError(
+        f"{ctx.fqn}: {label} splits attention heads over {degree} ranks, but the module has "
+        f"{kv_heads} KV heads: neither divisible by {degree} nor a divisor of it, so they can't be "
+        "split or replicated evenly; use the AllGather wrapper (sdpa_hf)"
+    )
+
+
+def replicate_heads(emit: Emitter, x: fx.Node, replicas: int) -> fx.Node:
+    """`[B, H, S, D]` → `[B, H·replicas, S, D]`, each head repeated in place (as HF's repeat_kv)."""
+    if replicas == 1:
+        return x
+    b, h, s, d = val(x).shape
+    expanded = emit(aten.expand.default, emit(aten.unsqueeze.default, x, 2), [b, h, replicas, s, d])
+    return emit(aten.reshape.default, expanded, [b, h * replicas, s, d])
+
+
+def seq_to_heads(emit: Emitter, ctx: PassContext, x: fx.Node, group: CommGroup, purpose: str) -> fx.Node:
+    return all_to_all(emit, ctx, x, scatter_dim=HEAD_DIM, gather_dim=SEQ_DIM, group=group, purpose=purpose)
+
+
+def heads_to_seq(emit: Emitter, ctx: PassContext, x: fx.Node, group: CommGroup, purpose: str) -> fx.Node:
+    return all_to_all(emit, ctx, x, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, group=group, purpose=purpose)

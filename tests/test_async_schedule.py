@@ -1,0 +1,255 @@
+"""Structure of the async schedule under the fake process group (issue 4).
+
+For AllGather, Ulysses and Hybrid (u=2) at CP=4, every rank compiles a one-layer Qwen3 whose
+global batch leaves a padding mask on some ranks only, and records, per collective of each
+attention region: is the launch right after its last producer, the wait right before its
+first consumer, and how much compute lies between. The collective order must be identical
+on every rank. Rank 0 also checks the same property on the forward graph torch.compile
+hands to its compiler (after AOT autograd, with Inductor's partitioner), and that an
+attention region with nothing to overlap is refused. One child process per rank.
+"""
+from __future__ import annotations
+
+import pytest
+
+import torch
+
+from cp_harness import ASYNC_METHODS, method_wrapper, random_batch, sdpa_plan, tiny_qwen3
+from dist_utils import run_distributed
+
+WORLD = 4
+_results: list = []
+
+
+class QKVAttention(torch.nn.Module):
+    """forward(q, k, v) → SDPA: every input feeds a collective, nothing is left to overlap."""
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Holder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.core = QKVAttention()
+
+    def forward(self, q, k, v):
+        return self.core(q, k, v)
+
+
+def _region_schedule(gm, roles: dict) -> list[dict]:
+    """Per launch of a region graph: its signature and where it sits relative to its neighbours."""
+    from cpcompile import collectives as C
+    from cpcompile.dump import collective_report
+    from cpcompile.passes.find_cores import SDPA
+    from cpcompile.passes.schedule import group_of
+
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    rows = []
+    for report in collective_report(gm):
+        launch = next(n for n in nodes if n.name == report["launch"])
+        (wait,) = launch.users
+        last_producer = max(launch.all_input_nodes, key=order.get)
+        first_consumer = min(wait.users, key=order.get)
+        rows.append({
+            "signature": (report["collective"], roles[group_of(launch)], tuple(launch.args[0].meta["val"].shape)),
+            # only other launches may sit between the handoff and the launch, only waits before the consumer
+            "after_producer": all(C.is_launch(n.target) for n in nodes[order[last_producer] + 1: order[launch]]),
+            "before_consumer": all(C.is_wait(n.target) for n in nodes[order[wait] + 1: order[first_consumer]]),
+            "compute_between": len(report["compute_between"]),
+            "model_compute_between": len(report["model_compute_between"]),
+            "feeds_attention": not any(n.target is SDPA for n in nodes[: order[launch]]),
+        })
+    return rows
+
+
+def _compiled_forward_schedule(model, local) -> list[dict]:
+    """The launches of the compiled forward graph (post AOT autograd), as `_region_schedule` sees them."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    from cpcompile import collectives as C
+
+    forwards = []
+
+    def keep_forward(gm, _inputs):
+        forwards.append(gm)
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=keep_forward, bw_compiler=lambda gm, _: gm.forward,
+                           partition_fn=min_cut_rematerialization_partition)
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(**local)
+    with_collectives = [gm for gm in forwards if any(C.is_launch(n.target) for n in gm.graph.nodes)]
+    return [_compiled_rows(gm) for gm in with_collectives]
+
+
+def _compiled_rows(gm) -> list[dict]:
+    from cpcompile import collectives as C
+    from cpcompile.dump import collective_report
+
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    rows = []
+    for report in collective_report(gm):
+        launch = next(n for n in nodes if n.name == report["launch"])
+        (wait,) = [u for u in launch.users if C.is_wait(u.target)]
+        last_producer = max(launch.all_input_nodes, key=order.get)
+        first_consumer = min(wait.users, key=order.get)
+        rows.append({
+            "collective": report["collective"],
+            "after_producer": all(C.is_launch(n.target) for n in nodes[order[last_producer] + 1: order[launch]]),
+            "before_consumer": all(C.is_wait(n.target) for n in nodes[order[wait] + 1: order[first_consumer]]),
+            "compute_between": len(report["compute_between"]),
+            "matmuls_between": sum(n.target is torch.ops.aten.mm.default for n in nodes[order[launch]: order[wait]]),
+        })
+    return rows
+
+
+def _no_overlap_outcome(mesh, method: str) -> tuple[str, str] | None:
+    """Compile a forward(q, k, v) → SDPA module with an async method: nothing to overlap."""
+    import cpcompile
+
+    q = torch.randn(1, 4, 4, 8)
+    kv = torch.randn(1, 4, 4, 8)
+    plan = sdpa_plan(WORLD, wrapper=method_wrapper(method, asynchronous=True), match="core")
+    try:
+        cpcompile.compile(Holder(), mesh, plan, example_inputs=(q, kv, kv))
+    except Exception as exc:  # asserted on in the parent
+        return type(exc).__name__, str(exc)
+    return None
+
+
+def _structure(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cpcompile
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    # batch 1 with left padding over the first ranks only: HF passes a mask on those ranks, none elsewhere
+    batch = random_batch(0, 1, 4 * world, padded=True)
+    out = {}
+    for method in ASYNC_METHODS:
+        plan = cpcompile.load_plan(sdpa_plan(world, method_wrapper(method, asynchronous=True)))
+        mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+        local = cpcompile.shard_batch(batch, mesh, plan)
+        model = cpcompile.compile(tiny_qwen3(0, layers=1), mesh, plan, example_inputs=local)
+        roles = _group_roles(mesh, method)
+        out[method] = {
+            "has_mask": bool((local["attention_mask"] == 0).any()),  # HF drops an all-ones mask
+            "layers": [_region_schedule(_program(layer).gm, roles) for layer in model.model.layers],
+            "compiled": _compiled_forward_schedule(model, local) if rank == 0 else None,
+            "no_overlap": _no_overlap_outcome(mesh, method) if rank == 0 else None,
+        }
+    dist.destroy_process_group()
+    return out
+
+
+def _program(layer):
+    (program,) = layer.self_attn.forward.programs.values()
+    return program
+
+
+def _group_roles(mesh, method: str) -> dict:
+    roles = {mesh.cp_group_name: "cp"}
+    if method == "hybrid":
+        groups = mesh.cp_subgroups(2)
+        roles.update({groups.ulysses.group_name: "cp_ulysses", groups.ring.group_name: "cp_ring"})
+    return roles
+
+
+def results() -> list:
+    if not _results:
+        _results.extend(run_distributed(_structure, WORLD, init_pg=False, timeout=600))
+    return _results
+
+
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_launch_at_handoff_wait_at_consumer(method):
+    for rank, result in enumerate(results()):
+        for layer in result[method]["layers"]:
+            for row in layer:
+                assert row["after_producer"], f"rank {rank}: {row['signature']} is not launched at its handoff"
+                assert row["before_consumer"], f"rank {rank}: {row['signature']} is not waited at its consumer"
+                if row["feeds_attention"]:
+                    assert row["compute_between"] >= 1, f"rank {rank}: {row['signature']} has nothing between"
+
+
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_attention_collectives_hide_model_compute(method):
+    for result in results():
+        for layer in result[method]["layers"]:
+            assert sum(row["model_compute_between"] for row in layer if row["feeds_attention"]) >= 1
+
+
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_collective_order_identical_on_every_rank(method):
+    per_rank = [[[row["signature"] for row in layer] for layer in r[method]["layers"]] for r in results()]
+    masks = {r[method]["has_mask"] for r in results()}
+    assert masks == {True, False}, "the scenario must give a mask to some ranks only"
+    assert all(layers == per_rank[0] for layers in per_rank), "collective order differs between ranks"
+
+
+def test_hybrid_chain_stays_async():
+    """A2A → AllGather: each all-gather of K/V is launched right after its all-to-all's
+    consumer chain and hides model compute (the Q path), not only other collectives."""
+    for result in results():
+        for layer in result["hybrid"]["layers"]:
+            gathers = [row for row in layer if row["signature"][:2] == ("all_gather_into_tensor", "cp_ring")]
+            assert len(gathers) == 2
+            assert all(row["model_compute_between"] >= 1 for row in gathers), gathers
+
+
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_compiled_forward_keeps_the_schedule(method):
+    compiled = results()[0][method]["compiled"]
+    assert len(compiled) == 1, "expected one compiled graph with collectives (one attention layer)"
+    eager_kinds = [row["signature"][0] for row in results()[0][method]["layers"][0]]
+    for rows in compiled:
+        assert [row["collective"] for row in rows] == eager_kinds, "torch.compile changed the collective order"
+        feeding = [row for row, eager in zip(rows, results()[0][method]["layers"][0]) if eager["feeds_attention"]]
+        assert all(row["after_producer"] and row["before_consumer"] for row in rows), rows
+        assert all(row["compute_between"] >= 1 for row in feeding), rows
+        assert sum(row["matmuls_between"] for row in feeding) >= 1, "no projection runs under the collectives"
+
+
+@pytest.mark.parametrize("method", ASYNC_METHODS)
+def test_region_without_overlappable_work_is_refused(method):
+    outcome = results()[0][method]["no_overlap"]
+    assert outcome is not None, "an attention with nothing to overlap was accepted as async"
+    kind, message = outcome
+    assert kind == "ValueError", message
+    for words in ("core", "asynchronous", "not async", "synchronous wrapper"):
+        assert words in message, f"{words!r} not in {message!r}"
+
+
+def _inductor_forward_code(rank: int, world: int) -> str:
+    import torch.distributed as dist
+    from torch._inductor.utils import run_and_get_code
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cpcompile
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    plan = cpcompile.load_plan(sdpa_plan(2, method_wrapper("all_gather", asynchronous=True)))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = cpcompile.shard_batch(random_batch(0, 2, 8, padded=True), mesh, plan)
+    model = cpcompile.compile(tiny_qwen3(0, layers=1), mesh, plan, example_inputs=local)
+    _, codes = run_and_get_code(lambda: torch.compile(model, backend="inductor")(**local))
+    dist.destroy_process_group()
+    return next(code for code in codes if "all_gather_into_tensor.default(" in code)
+
+
+@pytest.mark.slow
+def test_inductor_code_runs_the_q_projection_under_the_gathers():
+    """Inductor's generated forward: all-gathers of K and V, then a matmul, then the waits."""
+    (code,) = run_distributed(_inductor_forward_code, 1, init_pg=False, timeout=600)
+    lines = code.splitlines()
+    launches = [i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line]
+    waits = [i for i, line in enumerate(lines) if "wait_tensor.default(" in line]
+    matmuls = [i for i, line in enumerate(lines) if "extern_kernels.mm(" in line]
+    assert len(launches) == 3 and len(waits) == 3, (launches, waits)
+    assert max(launches) < min(waits), "a gather is waited before the last one is launched"
+    assert any(max(launches) < m < min(waits) for m in matmuls), "no matmul runs under the gathers"
