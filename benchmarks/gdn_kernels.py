@@ -1,0 +1,402 @@
+"""Benchmark the GDN core: cpcompile's Triton kernels vs fla-core vs transformers' torch reference.
+
+    python benchmarks/gdn_kernels.py [--T 8192 16384 32768 65536] [--warmup 5] [--repeat 20] [--out FILE]
+
+Shapes follow Qwen3.5's GDN layer: B=1, 16 key heads, 32 value heads, K=V=128, bf16 q/k/v/beta,
+fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+backward (median of
+``repeat`` timed iterations after ``warmup``, CUDA events) and peak allocated/reserved memory of one
+forward+backward; plus the State-P2P local cost (summary + output-with-state) against the plain local
+forward, and a per-kernel breakdown at 16K.
+
+fla-core's gated backward refuses to run on Hopper with Triton < 3.7.1 (fla issue #640, a Triton
+miscompile). For *timing only* this script lifts that guard (``--lift-fla-guard``, default on);
+fla's gradients are then not trusted, and are not used for any correctness claim.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import statistics
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+B, HK, HV, DK, DV = 1, 16, 32, 128, 128
+
+
+def make_inputs(T, *, seed=0, requires_grad=False, dtype=torch.bfloat16):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, T, HK, DK, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(B, T, HK, DK, device="cuda", generator=gen).to(dtype)
+    v = torch.randn(B, T, HV, DV, device="cuda", generator=gen).to(dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 2.0)
+    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=gen)).to(dtype)
+    xs = [q, k, v, g, beta]
+    if requires_grad:
+        xs = [x.requires_grad_() for x in xs]
+    do = torch.randn(B, T, HV, DV, device="cuda", generator=gen).to(dtype)
+    return xs, do
+
+
+def time_cuda(fn, warmup, repeat):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def peak_memory(fn):
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() / 2**30, torch.cuda.max_memory_reserved() / 2**30
+
+
+# ----------------------------------------------------------------------------- the methods
+
+
+def ours():
+    from cpcompile.kernels import chunk_gated_delta_rule
+
+    def run(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True, backend="triton")[0]
+    return run
+
+
+def fla_method(lift_guard=True):
+    import fla.ops.common.chunk_o as fla_chunk_o
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    if lift_guard:
+        fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # timing only: see module docstring
+
+    def run(q, k, v, g, beta):
+        return chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True)[0]
+    return run
+
+
+def torch_reference():
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+
+    fn = getattr(m.torch_chunk_gated_delta_rule, "__wrapped__", m.torch_chunk_gated_delta_rule)
+    if not fn.__module__.startswith("transformers"):
+        raise RuntimeError(f"transformers' torch reference resolved to {fn.__module__}")
+
+    def run(q, k, v, g, beta):
+        # older transformers releases need q/k already expanded to the value heads
+        rep = v.shape[2] // q.shape[2]
+        return fn(q.repeat_interleave(rep, 2), k.repeat_interleave(rep, 2), v, g, beta,
+                  use_qk_l2norm_in_kernel=True)[0]
+    return run
+
+
+def bench_method(name, backend, run, T, warmup, repeat, rows, *, bwd=True):
+    xs, do = make_inputs(T)
+    fwd_ms = time_cuda(lambda: run(*xs), warmup, repeat)
+    fb_ms, alloc, reserved = float("nan"), float("nan"), float("nan")
+    if bwd:
+        xg, _ = make_inputs(T, requires_grad=True)
+
+        def step():
+            for x in xg:
+                x.grad = None
+            run(*xg).backward(do)
+        fb_ms = time_cuda(step, warmup, repeat)
+        alloc, reserved = peak_memory(step)
+    rows.append(dict(method=name, backend=backend, T=T, fwd=fwd_ms, fb=fb_ms, alloc=alloc, reserved=reserved,
+                     warmup=warmup, repeat=repeat))
+    print(f"  {name:10s} T={T:6d} fwd {fwd_ms:8.3f} ms  fwd+bwd {fb_ms:8.3f} ms  peak {alloc:.2f}/{reserved:.2f} GiB",
+          flush=True)
+
+
+def bench_p2p(T, warmup, repeat, rows):
+    from cpcompile.kernels.api import _l2norm
+    from cpcompile.kernels.triton_gdn import launch as L
+
+    (q, k, v, g, beta), do = make_inputs(T)
+    q, k = _l2norm(q), _l2norm(k)
+    h_in = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
+    scale = DK ** -0.5
+
+    def plain():
+        return L.gdn_fwd(q, k, v, g, beta, h_in, scale)[0]
+
+    def p2p():
+        M, S, saved = L.p2p_fwd_summary(k, v, g, beta)
+        h_out = L.chain_step(M, S, h_in)
+        return L.p2p_fwd_output(q, k, saved, h_in, scale), h_out
+
+    o_ref = plain()
+    o_p2p, _ = p2p()
+    err = ((o_p2p.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+    t_plain = time_cuda(plain, warmup, repeat)
+    t_p2p = time_cuda(p2p, warmup, repeat)
+    _, _, saved = L.p2p_fwd_summary(k, v, g, beta)
+    t_sum = time_cuda(lambda: L.p2p_fwd_summary(k, v, g, beta), warmup, repeat)
+    t_out = time_cuda(lambda: L.p2p_fwd_output(q, k, saved, h_in, scale), warmup, repeat)
+
+    # backward: plain local backward vs P2P bwd summary + finish
+    o, ht, gc, w, u, tinv = L.gdn_fwd(q, k, v, g, beta, h_in, scale)
+    dht = torch.randn_like(ht)
+    t_bplain = time_cuda(lambda: L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale), warmup, repeat)
+
+    def p2p_bwd():
+        dl, mt, ds = L.p2p_bwd_summary(q, k, w, gc, do, scale)
+        L.chain_grad_step(mt.transpose(-1, -2), dl, dht)
+        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, ds, dht, scale)
+    t_bp2p = time_cuda(p2p_bwd, warmup, repeat)
+    ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
+    got_g = p2p_bwd()
+    gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got_g, ref_g[:5]))
+    rows.append(dict(T=T, plain=t_plain, p2p=t_p2p, summary=t_sum, output=t_out, err=err,
+                     bplain=t_bplain, bp2p=t_bp2p, gerr=gerr))
+    print(f"  P2P T={T}: plain fwd {t_plain:.3f} ms, summary {t_sum:.3f} + output {t_out:.3f} "
+          f"(together {t_p2p:.3f} ms, {t_p2p / t_plain:.2f}x); bwd plain {t_bplain:.3f} vs p2p {t_bp2p:.3f} ms "
+          f"({t_bp2p / t_bplain:.2f}x); |o_p2p-o|/|o| {err:.1e}, grads {gerr:.1e}", flush=True)
+
+
+def accuracy(T, methods):
+    """Relative L2 error of o and of every input gradient vs the fp32 eager oracle, same bf16 inputs."""
+    from cpcompile.kernels.gdn_eager import chunk_gated_delta_rule_eager
+
+    xs, do = make_inputs(T, seed=1)
+    ref_in = [x.detach().float().requires_grad_() for x in xs]
+    ro = chunk_gated_delta_rule_eager(*ref_in, use_qk_l2norm_in_kernel=True)[0]
+    ro.backward(do.float())
+    out = []
+    for name, _, run in methods:
+        xin = [x.detach().clone().requires_grad_() for x in xs]
+        try:
+            o = run(*xin)
+            o.backward(do)
+        except Exception as exc:  # noqa: BLE001
+            out.append((name, repr(exc)))
+            continue
+        errs = [("o", o, ro)] + [(f"d{n}", a.grad, b.grad) for n, a, b in zip(["q", "k", "v", "g", "beta"], xin, ref_in)]
+        out.append((name, ", ".join(f"{n} {((a.float() - b.float()).norm() / b.float().norm()).item():.1e}"
+                                   for n, a, b in errs)))
+        print(f"  accuracy {name} T={T}: {out[-1][1]}", flush=True)
+    return out
+
+
+def kernel_breakdown(T, warmup, repeat):
+    from cpcompile.kernels.api import _l2norm
+    from cpcompile.kernels.triton_gdn import launch as L
+
+    (q, k, v, g, beta), do = make_inputs(T)
+    q, k = _l2norm(q), _l2norm(k)
+    s = DK ** -0.5
+    gc, w, u, tinv = L.fwd_prepare(k, v, g, beta)
+    hbuf, vnbuf, ht = L.fwd_state(k, w, u, gc, None)
+    dvl = L.bwd_dv_local(q, k, gc, do, s)
+    dhbuf, dvnbuf, dh0 = L.bwd_state(q, k, w, gc, do, dvl, None, s)
+    dq, dk, dw, dgc, _ = L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s)
+    parts = {
+        "fwd_prepare": lambda: L.fwd_prepare(k, v, g, beta),
+        "fwd_state": lambda: L.fwd_state(k, w, u, gc, None),
+        "fwd_state(aug K+V)": lambda: L.fwd_state(k, w, u, gc, None, nx=DK),
+        "fwd_output": lambda: L.fwd_output(q, k, gc, hbuf, vnbuf, s),
+        "bwd_dv_local": lambda: L.bwd_dv_local(q, k, gc, do, s),
+        "bwd_state": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s),
+        "bwd_state(aug K+V)": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=DK),
+        "bwd_inter": lambda: L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s),
+        "bwd_prepare": lambda: L.bwd_prepare(k, v, beta, gc, tinv, dw, dvnbuf, 0, dk, dgc),
+    }
+    out = {}
+    for name, fn in parts.items():
+        out[name] = time_cuda(fn, warmup, repeat)
+        if name == "bwd_prepare":  # it updates dk/dgc in place: restore
+            dq, dk, dw, dgc, _ = L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s)
+    return out
+
+
+def api_overhead(T, warmup, repeat):
+    """Where the API forward's time goes: q/k L2 norm, the custom op, the bare launches."""
+    from cpcompile.kernels import chunk_gated_delta_rule
+    from cpcompile.kernels.api import _l2norm
+    from cpcompile.kernels.triton_gdn import launch as L
+
+    (q, k, v, g, beta), _ = make_inputs(T)
+    qn, kn = _l2norm(q), _l2norm(k)
+    s = DK ** -0.5
+    return {
+        "api forward (l2norm + op)": time_cuda(lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), warmup, repeat),
+        "eager-PyTorch l2norm of q and k": time_cuda(lambda: (_l2norm(q), _l2norm(k)), warmup, repeat),
+        "fused l2norm (cpcompile::gdn_l2norm) of q and k": time_cuda(
+            lambda: (torch.ops.cpcompile.gdn_l2norm(q), torch.ops.cpcompile.gdn_l2norm(k)), warmup, repeat),
+        "torch.ops.cpcompile.gdn_chunk_fwd": time_cuda(lambda: torch.ops.cpcompile.gdn_chunk_fwd(qn, kn, v, g, beta, None, s), warmup, repeat),
+        "launch.gdn_fwd (bare kernels)": time_cuda(lambda: L.gdn_fwd(qn, kn, v, g, beta, None, s), warmup, repeat),
+    }
+
+
+def ablation(T, warmup, repeat):
+    """Time variants that leave a stage out (results are wrong on purpose; timing only)."""
+    from cpcompile.kernels.api import _l2norm
+    from cpcompile.kernels.triton_gdn import kernels as K_
+    from cpcompile.kernels.triton_gdn import launch as L
+
+    (q, k, v, g, beta), do = make_inputs(T)
+    k = _l2norm(k)
+    B_, T_, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    NT = (T_ + 63) // 64
+    gc, w, u, tinv = L.fwd_prepare(k, v, g, beta)
+    out = {}
+    for levels in (6, 3, 1):
+        out[f"fwd_prepare, {levels - 1} doubling levels"] = time_cuda(lambda: K_.gdn_fwd_prepare_kernel[(NT, B_ * Hv)](
+            k, v, g, beta, gc, w, u, tinv, T_, Hk=Hk, Hv=Hv, K=K, V=V, BT=64, LOG2_BT=levels,
+            num_warps=L.NUM_WARPS["prepare"], **L._flags(k.dtype)), warmup, repeat)
+    out["torch copy of w,u,tinv (memory floor proxy)"] = time_cuda(lambda: (w.clone(), u.clone(), tinv.clone()), warmup, repeat)
+    return out
+
+
+def tune_warps(T, warmup, repeat):
+    """Try a few num_warps per kernel at one T; keep the fastest (printed, and used for the table)."""
+    from cpcompile.kernels.triton_gdn import launch as L
+
+    best = {}
+    timings = {}
+    for bv in (32, 64):
+        for st in (1, 2, 3):
+            L.STATE_BV = bv
+            L.NUM_STAGES["state"] = L.NUM_STAGES["bwd_state"] = st
+            try:
+                res = kernel_breakdown(T, warmup, repeat)
+                timings[(bv, st)] = res["fwd_state"] + res["bwd_state"]
+                print(f"  STATE_BV={bv} stages={st}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  tune STATE_BV={bv} stages={st} failed: {exc!r}")
+                timings[(bv, st)] = float("inf")
+    bv, st = min(timings, key=timings.get)
+    L.STATE_BV = best["STATE_BV"] = bv
+    L.NUM_STAGES["state"] = L.NUM_STAGES["bwd_state"] = best["state_stages"] = st
+    print(f"  tune STATE_BV/stages -> {bv}/{st}", flush=True)
+    for key in ("prepare", "state", "output", "dv_local", "bwd_state", "inter", "bwd_wy", "bwd_tri"):
+        timings = {}
+        for nw in (4, 8):
+            L.NUM_WARPS[key] = nw
+            try:
+                timings[nw] = sum(kernel_breakdown_cached(T, warmup, repeat, key).values())
+            except Exception as exc:  # noqa: BLE001
+                print(f"  tune {key} num_warps={nw} failed: {exc!r}")
+                timings[nw] = float("inf")
+        best[key] = min(timings, key=timings.get)
+        L.NUM_WARPS[key] = best[key]
+        print(f"  tune {key}: {timings} -> {best[key]}", flush=True)
+    return best
+
+
+_KEYMAP = {"prepare": ["fwd_prepare"], "state": ["fwd_state", "fwd_state(aug K+V)"], "output": ["fwd_output"],
+           "dv_local": ["bwd_dv_local"], "bwd_state": ["bwd_state", "bwd_state(aug K+V)"], "inter": ["bwd_inter"],
+           "bwd_wy": ["bwd_prepare"], "bwd_tri": ["bwd_prepare"]}
+
+
+def kernel_breakdown_cached(T, warmup, repeat, key):
+    res = kernel_breakdown(T, warmup, repeat)
+    return {k: res[k] for k in _KEYMAP[key]}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--T", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--ref-max-T", type=int, default=8192)
+    ap.add_argument("--no-fla", action="store_true")
+    ap.add_argument("--no-lift-fla-guard", action="store_true")
+    ap.add_argument("--tune", action="store_true", help="sweep num_warps per kernel at T=16K first")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+
+    dev = torch.cuda.get_device_name()
+    import triton
+    env = f"torch {torch.__version__}, triton {triton.__version__}, device {dev}"
+    print(env, flush=True)
+    tuned = tune_warps(16384, 2, 5) if args.tune else None
+
+    rows, p2p_rows = [], []
+    methods = [("cpcompile", "triton", ours())]
+    if not args.no_fla:
+        try:
+            import fla
+            methods.append(("fla-core", f"triton (fla {getattr(fla, '__version__', '?')}, guard lifted)"
+                            if not args.no_lift_fla_guard else "triton (fla)", fla_method(not args.no_lift_fla_guard)))
+        except Exception as exc:  # noqa: BLE001
+            print(f"fla-core unavailable: {exc!r}")
+    ref = torch_reference()
+    acc = accuracy(4096, methods)
+    for T in args.T:
+        for name, backend, run in methods:
+            try:
+                bench_method(name, backend, run, T, args.warmup, args.repeat, rows)
+            except Exception as exc:  # noqa: BLE001
+                print(f"  {name} T={T} failed: {exc!r}", flush=True)
+        if T <= args.ref_max_T:
+            bench_method("hf-torch", "transformers torch_chunk_gated_delta_rule", ref, T, 1, 3, rows)
+        bench_p2p(T, args.warmup, args.repeat, p2p_rows)
+        torch.cuda.empty_cache()
+    breakdown = kernel_breakdown(16384, args.warmup, args.repeat)
+    breakdown.update(ablation(16384, args.warmup, args.repeat))
+    breakdown.update(api_overhead(16384, args.warmup, args.repeat))
+
+    lines = [f"# GDN kernel benchmark — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
+             f"Shapes: B={B}, key heads {HK}, value heads {HV}, K=V={DK}, bf16 q/k/v/beta, fp32 g, "
+             "use_qk_l2norm_in_kernel=True. Times: median over `repeat` iterations after `warmup` "
+             "(CUDA events); peak memory of one forward+backward, inputs included.", "",
+             "| method | backend | shapes (B,T,Hk,Hv,K,V) | warmup/repeat | fwd ms | fwd+bwd ms | peak alloc GiB | peak reserved GiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {r['backend']} | ({B},{r['T']},{HK},{HV},{DK},{DV}) | {r['warmup']}/{r['repeat']} "
+                     f"| {r['fwd']:.3f} | {r['fb']:.3f} | {r['alloc']:.2f} | {r['reserved']:.2f} |")
+    lines += ["", "Ratios (cpcompile / other):", "", "| T | fwd vs fla | fwd+bwd vs fla | fwd vs hf-torch | fwd+bwd vs hf-torch |",
+              "|---|---|---|---|---|"]
+    for T in args.T:
+        by = {r["method"]: r for r in rows if r["T"] == T}
+        o = by.get("cpcompile")
+        if o is None:
+            continue
+
+        def ratio(other, key):
+            x = by.get(other)
+            return f"{o[key] / x[key]:.2f}" if x and x[key] == x[key] else "-"
+        lines.append(f"| {T} | {ratio('fla-core', 'fwd')} | {ratio('fla-core', 'fb')} | {ratio('hf-torch', 'fwd')} "
+                     f"| {ratio('hf-torch', 'fb')} |")
+    lines += ["", "State-P2P local cost (cpcompile kernels; incoming state given):", "",
+              "| T | plain fwd ms | summary ms | output-with-state ms | summary+output+chain ms | ratio | plain bwd ms | p2p bwd (summary+chain+finish) ms | ratio | rel err o / grads vs plain |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in p2p_rows:
+        lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['summary']:.3f} | {r['output']:.3f} | {r['p2p']:.3f} "
+                     f"| {r['p2p'] / r['plain']:.2f} | {r['bplain']:.3f} | {r['bp2p']:.3f} | {r['bp2p'] / r['bplain']:.2f} "
+                     f"| {r['err']:.1e} / {r['gerr']:.1e} |")
+    lines += ["", "Accuracy at T=4096 (same bf16 inputs; relative L2 error vs cpcompile's fp32 eager oracle):", ""]
+    lines += [f"- {name}: {text}" for name, text in acc]
+    lines += ["", "Per-kernel time at T=16384 (ms):", "", "| kernel | ms |", "|---|---|"]
+    lines += [f"| {k} | {v:.3f} |" for k, v in breakdown.items()]
+    if tuned:
+        lines += ["", f"num_warps after tuning: {tuned}"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                   f"gdn_kernels_{_dt.date.today().isoformat()}_{dev.replace(' ', '-')}.md")
+    with open(out, "w") as f:
+        f.write(text)
+    print("wrote", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+"""Capability check for the Triton GDN backend: runs at first use, names the failing capability,
+never falls back to another backend.
+
+Supported:
+- device: CUDA with compute capability >= 8.0; Ascend NPU (``torch_npu`` + triton-ascend >= 3.2.1;
+  code path present, never run by this project); CPU only under ``TRITON_INTERPRET=1`` (tests);
+- dtypes: q, k, v, beta in bf16 or fp32 (one dtype for q, k, v); g any float dtype (read as fp32);
+  initial state / state gradients fp32-castable;
+- head dims: K and V in {16, 32, 64, 128}; value heads a multiple of key heads;
+- chunk size 64; any length T >= 1 (a partial last chunk is masked).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+from torch import Tensor
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
+CHUNK_SIZE = 64
+MIN_CUDA_CC = (8, 0)
+MIN_TRITON_ASCEND = (3, 2, 1)
+
+
+class GDNCapabilityError(RuntimeError):
+    """The Triton GDN backend cannot run these inputs here. ``capability`` names what is missing."""
+
+    def __init__(self, capability: str, reason: str):
+        self.capability = capability
+        self.reason = reason
+        super().__init__(f"GDN triton backend: unsupported {capability}: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.capability, self.reason))
+
+
+def _version_tuple(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in text.split("+")[0].split("."):
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def require_triton() -> None:
+    try:
+        import triton  # noqa: F401
+    except ImportError as exc:
+        raise GDNCapabilityError("dependency", "triton is not installed (pip install triton)") from exc
+
+
+@functools.lru_cache(maxsize=None)
+def check_device(device_type: str, index: int | None) -> None:
+    """Device-level checks, cached per device (they touch drivers and imports)."""
+    require_triton()
+    interpret = os.environ.get("TRITON_INTERPRET", "0") == "1"
+    if device_type == "cpu":
+        if not interpret:
+            raise GDNCapabilityError("device", "cpu tensors need TRITON_INTERPRET=1 (interpreter, tests only)")
+        return
+    if device_type == "cuda":
+        if interpret:
+            raise GDNCapabilityError("device", "TRITON_INTERPRET=1 runs on CPU tensors only; got cuda tensors")
+        cc = torch.cuda.get_device_capability(index)
+        if cc < MIN_CUDA_CC:
+            raise GDNCapabilityError("device", f"CUDA compute capability {cc[0]}.{cc[1]} < 8.0")
+        return
+    if device_type == "npu":
+        # Ascend path: the kernels are plain Triton; triton-ascend compiles them. Present, unrun here.
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError as exc:
+            raise GDNCapabilityError("device", "npu tensors need torch_npu") from exc
+        version = _ascend_triton_version()
+        if version is None or version < MIN_TRITON_ASCEND:
+            raise GDNCapabilityError("dependency", f"triton-ascend >= 3.2.1 required; found {version}")
+        return
+    raise GDNCapabilityError("device", f"device type {device_type!r} (need cuda cc>=8.0, npu, or cpu+interpreter)")
+
+
+def _ascend_triton_version() -> tuple[int, ...] | None:
+    from importlib import metadata
+
+    for dist in ("triton-ascend", "triton_ascend"):
+        try:
+            return _version_tuple(metadata.version(dist))
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                 initial_state: Tensor | None = None, chunk_size: int = CHUNK_SIZE) -> None:
+    """Shape/dtype checks (pure Python on tensor metadata; safe under tracing)."""
+    if chunk_size != CHUNK_SIZE:
+        raise GDNCapabilityError("chunk size", f"only {CHUNK_SIZE} is supported; got {chunk_size}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise GDNCapabilityError("shape", f"{name} must be [B, T, H, D]; got {tuple(t.shape)}")
+    B, T, Hk, K = k.shape
+    Hv, V = v.shape[2], v.shape[3]
+    if tuple(q.shape) != tuple(k.shape):
+        raise GDNCapabilityError("shape", f"q {tuple(q.shape)} and k {tuple(k.shape)} differ")
+    if tuple(v.shape[:2]) != (B, T):
+        raise GDNCapabilityError("shape", f"v {tuple(v.shape)} does not match k {tuple(k.shape)} in [B, T]")
+    if tuple(g.shape) != (B, T, Hv) or tuple(beta.shape) != (B, T, Hv):
+        raise GDNCapabilityError("shape", f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [B, T, Hv]={(B, T, Hv)}")
+    if T < 1:
+        raise GDNCapabilityError("length", "sequence length must be >= 1")
+    if Hv % Hk != 0:
+        raise GDNCapabilityError("head count", f"value heads {Hv} must be a multiple of key heads {Hk}")
+    if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
+        raise GDNCapabilityError("head dim", f"K={K}, V={V}; each must be one of {SUPPORTED_HEAD_DIMS}")
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise GDNCapabilityError("dtype", f"q/k/v must share one of bf16/fp32; got {q.dtype}/{k.dtype}/{v.dtype}")
+    if not g.dtype.is_floating_point or beta.dtype not in SUPPORTED_DTYPES:
+        raise GDNCapabilityError("dtype", f"g must be floating, beta bf16/fp32; got {g.dtype}/{beta.dtype}")
+    if initial_state is not None and tuple(initial_state.shape) != (B, Hv, K, V):
+        raise GDNCapabilityError("shape", f"initial_state must be {(B, Hv, K, V)}; got {tuple(initial_state.shape)}")
+    devices = {t.device for t in (q, k, v, g, beta, initial_state) if t is not None}
+    if len(devices) != 1:
+        raise GDNCapabilityError("device", f"all inputs must be on one device; got {sorted(map(str, devices))}")
+    n_chunks = (T + chunk_size - 1) // chunk_size
+    if n_chunks * Hv * K * (K + V) >= 2**31:
+        # chunk-state buffers are indexed with 32-bit offsets inside one batch row
+        raise GDNCapabilityError("length", f"T={T} with {Hv} value heads overflows 32-bit chunk-state offsets")
+
+
+def check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+          initial_state: Tensor | None = None, chunk_size: int = CHUNK_SIZE) -> None:
+    """All checks: inputs, then the device (cached)."""
+    check_inputs(q, k, v, g, beta, initial_state, chunk_size)
+    check_device(q.device.type, q.device.index)

@@ -1,0 +1,550 @@
+"""Triton kernels for the chunked gated delta rule (GDN), chunk size ``BT`` (64).
+
+Layouts (all contiguous): tokens ``[B, T, H, D]``; per-token gates ``[B, T, Hv]``; chunk states
+``[B, NT, Hv, K, NS]``; per-token state-shaped rows ``[B, T, Hv, NS]``; states ``[B, Hv, K, NS]``.
+Value head ``h`` reads key head ``h // (Hv // Hk)``.
+
+Per chunk, entered with state ``h`` (``gc`` = in-chunk inclusive cumsum of ``g``, ``gl`` its last
+value, ``E_ij = exp(gc_i - gc_j)``)::
+
+    A   = strictly_lower(beta_i E_ij k_i.k_j),   Tinv = (I + A)^-1
+    w   = Tinv (beta exp(gc) k),  u = Tinv (beta v)          # state-independent ("prepare")
+    vn  = u - w h                                            # true per-token updates
+    o   = scale (exp(gc) q h + lower_incl(E q k^T) vn)
+    h'  = exp(gl) h + (exp(gl - gc) k)^T vn
+
+"Augmented" state passes (``NX > 0``) carry an identity block beside the state: columns
+``[0, NX)`` start as ``I`` and receive no value input, so at every chunk they hold the product of
+the chunk transitions so far (forward: ``X_c``; backward: the transposed suffix product ``Y_c``).
+The affine summary of the segment then falls out of the same sequential pass that computes the
+zero-state chunk states; no separate K x K scan is needed.
+
+Every dot goes through ``_mm`` so that the CPU interpreter (whose bf16 dot is unreliable) can
+upcast operands to fp32; on a GPU, bf16 operands hit the tensor cores with fp32 accumulation.
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _mm(a, b, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision=PREC)
+
+
+@triton.jit
+def _tok_offs(i_b, i_h, T, H, D, i_t, col0, BT: tl.constexpr, BD: tl.constexpr):
+    """Offsets and row mask of rows ``[i_t*BT, +BT)``, columns ``[col0, +BD)`` of head ``i_h`` of a
+    ``[B, T, H, D]`` tensor; rows past ``T`` are masked (they read as zero)."""
+    rows = i_t * BT + tl.arange(0, BT)
+    cols = col0 + tl.arange(0, BD)
+    off = ((i_b.to(tl.int64) * T + rows) * H + i_h) * D
+    return off[:, None] + cols[None, :], (rows < T)[:, None]
+
+
+@triton.jit
+def _tok_load(base, i_b, i_h, T, H, D, i_t, col0, BT: tl.constexpr, BD: tl.constexpr):
+    off, m = _tok_offs(i_b, i_h, T, H, D, i_t, col0, BT, BD)
+    return tl.load(base + off, mask=m, other=0.0)
+
+
+@triton.jit
+def _tok_store(base, i_b, i_h, T, H, D, i_t, col0, BT: tl.constexpr, BD: tl.constexpr, val):
+    off, m = _tok_offs(i_b, i_h, T, H, D, i_t, col0, BT, BD)
+    tl.store(base + off, val, mask=m)
+
+
+@triton.jit
+def _mat_ptr(base, ld, col0, R: tl.constexpr, C: tl.constexpr):
+    """Pointers of an ``[R, C]`` tile at column ``col0`` of a row-major matrix with leading dim ``ld``."""
+    return base + tl.arange(0, R)[:, None] * ld + col0 + tl.arange(0, C)[None, :]
+
+
+# The CPU interpreter cannot call triton.language's own ``@jit`` helpers (``sum``, ``cumsum``, ...)
+# when triton was imported before ``TRITON_INTERPRET=1`` was set (torch and transformers import it
+# early): they were decorated as compiled functions. Under the interpreter these two helpers use
+# builtins only; compiled code takes the plain ``tl.sum`` / ``tl.cumsum`` branch.
+_INTERPRET = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _rsum(x, axis: tl.constexpr):
+    if _INTERPRET:
+        return tl.reduce(x, axis, tl.standard._sum_combine)  # interpreter maps this to np.sum
+    else:
+        return tl.sum(x, axis=axis)
+
+
+@triton.jit
+def _chunk_cumsum(x, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """Inclusive (``REVERSE``: reverse-inclusive) cumulative sum of a [BT] vector."""
+    if _INTERPRET:
+        o = tl.arange(0, BT)
+        if REVERSE:
+            keep = o[:, None] <= o[None, :]
+        else:
+            keep = o[:, None] >= o[None, :]
+        return tl.reduce(tl.where(keep, x[None, :], 0.0), 1, tl.standard._sum_combine)
+    else:
+        if REVERSE:
+            return tl.sum(x, axis=0) - tl.cumsum(x, axis=0) + x
+        else:
+            return tl.cumsum(x, axis=0)
+
+
+@triton.jit
+def _chunk_gates(gc_ptr, i_b, i_h, i_t, T, Hv: tl.constexpr, BT: tl.constexpr):
+    """(gc of the chunk [BT] (rows past T take gl), gl = gc at the chunk's last valid row, row mask)."""
+    o_t = i_t * BT + tl.arange(0, BT)
+    m_t = o_t < T
+    base = gc_ptr + i_b.to(tl.int64) * T * Hv + i_h
+    last = tl.minimum(i_t * BT + BT, T) - 1
+    b_gl = tl.load(base + last * Hv)
+    # rows past T behave as padding with g = 0: keeps every exp(gc_i - gc_j) with i >= j at most 1
+    b_gc = tl.load(base + o_t * Hv, mask=m_t, other=0.0)
+    b_gc = tl.where(m_t, b_gc, b_gl)
+    return b_gc, b_gl, m_t
+
+
+# ----------------------------------------------------------------------------- forward: prepare
+
+
+@triton.jit
+def gdn_fwd_prepare_kernel(
+    k, v, g, beta, gc_out, w_out, u_out, tinv_out,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Per (chunk, value head): gate cumsum, Tinv = (I+A)^-1, w and u. Fully parallel."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
+
+    b_g = tl.load(g + row, mask=m_t, other=0.0).to(tl.float32)
+    b_gc = _chunk_cumsum(b_g, BT, False)
+    tl.store(gc_out + row, b_gc, mask=m_t)
+    b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
+
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_v = _tok_load(v, i_b, i_h, T, Hv, V, i_t, 0, BT, V)
+
+    lower = o_i[:, None] > o_i[None, :]
+    b_E = tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.0))
+    b_kk = _mm(b_k, tl.trans(b_k), PREC, UPCAST)
+    b_A = tl.where(lower, b_kk * b_E * b_beta[:, None], 0.0)
+
+    # (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...: A is strictly lower, so A^BT = 0.
+    eye = tl.where(o_i[:, None] == o_i[None, :], 1.0, 0.0)
+    b_T = eye - b_A
+    b_P = b_A
+    for _ in tl.static_range(LOG2_BT - 1):
+        b_P = _mm(b_P, b_P, PREC, UPCAST)
+        b_T = b_T + _mm(b_T, b_P, PREC, UPCAST)
+    _tok_store(tinv_out, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT, b_T)
+
+    dt = b_k.dtype
+    b_kb = (b_k.to(tl.float32) * (b_beta * tl.exp(b_gc))[:, None]).to(dt)
+    b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
+    b_Tc = b_T.to(dt)
+    b_w = _mm(b_Tc, b_kb, PREC, UPCAST)
+    b_u = _mm(b_Tc, b_vb, PREC, UPCAST)
+    _tok_store(w_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_w.to(w_out.dtype.element_ty))
+    _tok_store(u_out, i_b, i_h, T, Hv, V, i_t, 0, BT, V, b_u.to(u_out.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------- forward: state pass
+
+
+@triton.jit
+def gdn_fwd_state_kernel(
+    k, w, u, gc, h0, hbuf, vnbuf, ht,
+    T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_H0: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Sequential over chunks, parallel over (column block, batch*head).
+
+    Column block ``i_v`` covers state columns ``[i_v*BV, +BV)`` of the ``NS = NX + V`` wide state.
+    Stores each chunk's entering state (``hbuf``), the updates ``vn`` (``vnbuf``) and the final
+    state (``ht``, fp32).
+    """
+    NS: tl.constexpr = NX + V
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    col0 = i_v * BV
+    o_k = tl.arange(0, K)
+    o_c = col0 + tl.arange(0, BV)
+
+    if NX > 0:
+        b_h = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
+    else:
+        b_h = tl.full([K, BV], 0.0, tl.float32)
+        if USE_H0:
+            p_h0 = _mat_ptr(h0 + i_bh.to(tl.int64) * K * V, V, col0, K, BV)
+            b_h = tl.load(p_h0).to(tl.float32)
+
+    st_base = hbuf + i_b.to(tl.int64) * NT * Hv * K * NS + i_h * K * NS
+    for i_t in range(NT):
+        p_hs = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
+        tl.store(p_hs, b_h.to(hbuf.dtype.element_ty))
+        b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
+        b_vn = -_mm(b_w, b_h.to(b_w.dtype), PREC, UPCAST)
+        if col0 >= NX:
+            b_u = _tok_load(u, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV)
+            b_vn += b_u.to(tl.float32)
+        _tok_store(vnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_vn.to(vnbuf.dtype.element_ty))
+        b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+        # (D k)^T vn == k^T (D vn): scale the small [BT, BV] tile, feed k to the dot untouched
+        b_vd = b_vn * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
+        b_h = b_h * tl.exp(b_gl) + _mm(tl.trans(b_k), b_vd.to(b_k.dtype), PREC, UPCAST)
+
+    p_ht = _mat_ptr(ht + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV)
+    tl.store(p_ht, b_h)
+
+
+# ----------------------------------------------------------------------------- forward: output
+
+
+@triton.jit
+def gdn_fwd_output_kernel(
+    q, k, gc, hbuf, vnbuf, hin, o, scale,
+    T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Per (value block, chunk, batch*head): ``o = scale (exp(gc) q h + lower_incl(E q k^T) vn)``.
+
+    With ``NX > 0`` the stored states/updates are those of a zero entering state plus the
+    transition products; the true ones are rebuilt here from the incoming state ``hin`` [B,Hv,K,V]:
+    ``h = h0 + X hin``, ``vn = vn0 + vnX hin`` (two extra dots, nothing else is recomputed).
+    """
+    NS: tl.constexpr = NX + V
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_i = tl.arange(0, BT)
+
+    b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    dt = b_q.dtype
+
+    st = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NS + i_h * K * NS
+    b_h = tl.load(_mat_ptr(st, NS, NX + i_v * BV, K, BV)).to(tl.float32)
+    b_vn = _tok_load(vnbuf, i_b, i_h, T, Hv, NS, i_t, NX + i_v * BV, BT, BV).to(tl.float32)
+    if NX > 0:
+        b_hin = tl.load(_mat_ptr(hin + i_bh.to(tl.int64) * K * V, V, i_v * BV, K, BV))
+        b_hin = b_hin.to(dt)
+        b_x = tl.load(_mat_ptr(st, NS, 0, K, NX))
+        b_h += _mm(b_x.to(dt), b_hin, PREC, UPCAST)
+        b_vx = _tok_load(vnbuf, i_b, i_h, T, Hv, NS, i_t, 0, BT, NX)
+        b_vn += _mm(b_vx.to(dt), b_hin, PREC, UPCAST)
+
+    b_s = _mm(b_q, tl.trans(b_k), PREC, UPCAST)
+    incl = o_i[:, None] >= o_i[None, :]
+    b_s = tl.where(incl, b_s * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    b_o = _mm(b_q, b_h.to(dt), PREC, UPCAST) * tl.exp(b_gc)[:, None]
+    b_o += _mm(b_s.to(dt), b_vn.to(dt), PREC, UPCAST)
+    b_o *= scale
+    _tok_store(o, i_b, i_h, T, Hv, V, i_t, i_v * BV, BT, BV, b_o.to(o.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+@triton.jit
+def gdn_bwd_dv_local_kernel(
+    q, k, gc, do, dvl, scale,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Intra-chunk part of d(vn): ``scale * lower_incl(E q k^T)^T do``. Parallel over chunks."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_i = tl.arange(0, BT)
+    b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    # transposed scores: st[j, i] = k_j . q_i * E_ij for i >= j
+    b_st = _mm(b_k, tl.trans(b_q), PREC, UPCAST)
+    upper = o_i[:, None] <= o_i[None, :]
+    b_st = tl.where(upper, b_st * tl.exp(tl.where(upper, b_gc[None, :] - b_gc[:, None], 0.0)), 0.0) * scale
+    b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, 0, BT, V)
+    b_dv = _mm(b_st.to(b_do.dtype), b_do, PREC, UPCAST)
+    _tok_store(dvl, i_b, i_h, T, Hv, V, i_t, 0, BT, V, b_dv.to(dvl.dtype.element_ty))
+
+
+@triton.jit
+def gdn_bwd_state_kernel(
+    q, k, w, gc, do, dvl, dht, dhbuf, dvnbuf, dh0, scale,
+    T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    USE_DHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Reverse sequential pass over chunks for the state gradient.
+
+    ``dhbuf[c]`` holds the gradient w.r.t. the state *leaving* chunk c; ``dvnbuf`` the full
+    d(vn); ``dh0`` the gradient w.r.t. the entering state. Columns ``[0, NX)`` (augmented mode)
+    start as ``I`` and receive no output gradient: they carry the transposed suffix products.
+    """
+    NS: tl.constexpr = NX + V
+    i_v, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    col0 = i_v * BV
+    o_k = tl.arange(0, K)
+    o_c = col0 + tl.arange(0, BV)
+
+    if NX > 0:
+        b_dh = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
+    else:
+        b_dh = tl.full([K, BV], 0.0, tl.float32)
+        if USE_DHT:
+            p = _mat_ptr(dht + i_bh.to(tl.int64) * K * V, V, col0, K, BV)
+            b_dh = tl.load(p).to(tl.float32)
+
+    st_base = dhbuf + i_b.to(tl.int64) * NT * Hv * K * NS + i_h * K * NS
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        p_s = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
+        tl.store(p_s, b_dh.to(dhbuf.dtype.element_ty))
+        b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+        dt = b_k.dtype
+        b_dvn = _mm(b_k, b_dh.to(dt), PREC, UPCAST) * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
+        b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
+        b_dh = b_dh * tl.exp(b_gl)
+        if col0 >= NX:
+            b_dvn += _tok_load(dvl, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV).to(tl.float32)
+            b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+            b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV).to(tl.float32)
+            b_dog = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(dt)
+            b_dh += _mm(tl.trans(b_q), b_dog, PREC, UPCAST)
+        _tok_store(dvnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_dvn.to(dvnbuf.dtype.element_ty))
+        b_dh -= _mm(tl.trans(b_w), b_dvn.to(dt), PREC, UPCAST)
+
+    p0 = _mat_ptr(dh0 + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV)
+    tl.store(p0, b_dh)
+
+
+@triton.jit
+def gdn_bwd_inter_kernel(
+    q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, dhout, du_out, dq_out, dk_out, dw_out, dgc_out, scale,
+    T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    NSH: tl.constexpr, NY: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Per (chunk, batch*head): dq, dk (output and state terms), dw and the gate-gradient terms
+    that need the state, looping over value blocks. Parallel over chunks.
+
+    ``hbuf``/``vnbuf`` (width ``NSH``, true states in the last V columns) come from a plain state
+    pass; ``dhbuf``/``dvnbuf`` (width ``NY + V``) from the backward state pass. With ``NY > 0`` they
+    hold zero-``dhout`` gradients plus transposed suffix products, and the true ones are rebuilt
+    as ``dh = dh0 + Y dhout``, ``dvn = dvn0 + dvnY dhout``; the rebuilt dvn is written to ``du_out``.
+    """
+    NSY: tl.constexpr = NY + V
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_i = tl.arange(0, BT)
+
+    b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    dt = b_q.dtype
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+
+    sh = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NSH + i_h * K * NSH
+    sd = dhbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NSY + i_h * K * NSY
+    if NY > 0:
+        b_y = tl.load(_mat_ptr(sd, NSY, 0, K, NY)).to(dt)
+        b_vy = _tok_load(dvnbuf, i_b, i_h, T, Hv, NSY, i_t, 0, BT, NY).to(dt)
+
+    b_ds = tl.full([BT, BT], 0.0, tl.float32)
+    b_dq = tl.full([BT, K], 0.0, tl.float32)
+    b_dk = tl.full([BT, K], 0.0, tl.float32)
+    b_dw = tl.full([BT, K], 0.0, tl.float32)
+    b_hdh = tl.full([K, BV], 0.0, tl.float32)
+    for i_v in range(V // BV):
+        c0 = i_v * BV
+        b_h = tl.load(_mat_ptr(sh, NSH, NSH - V + c0, K, BV))
+        b_vn = _tok_load(vnbuf, i_b, i_h, T, Hv, NSH, i_t, NSH - V + c0, BT, BV)
+        b_dh = tl.load(_mat_ptr(sd, NSY, NY + c0, K, BV)).to(tl.float32)
+        b_dvn = _tok_load(dvnbuf, i_b, i_h, T, Hv, NSY, i_t, NY + c0, BT, BV).to(tl.float32)
+        if NY > 0:
+            b_dho = tl.load(_mat_ptr(dhout + i_bh.to(tl.int64) * K * V, V, c0, K, BV))
+            b_dho = b_dho.to(dt)
+            b_dh += _mm(b_y, b_dho, PREC, UPCAST)
+            b_dvn += _mm(b_vy, b_dho, PREC, UPCAST)
+            _tok_store(du_out, i_b, i_h, T, Hv, V, i_t, c0, BT, BV, b_dvn.to(du_out.dtype.element_ty))
+        b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, c0, BT, BV)
+        b_h = b_h.to(dt)
+        b_vn = b_vn.to(dt)
+        b_ds += _mm(b_do.to(dt), tl.trans(b_vn), PREC, UPCAST)
+        b_dq += _mm(b_do.to(dt), tl.trans(b_h), PREC, UPCAST)
+        b_dk += _mm(b_vn, tl.trans(b_dh.to(dt)), PREC, UPCAST)
+        b_dw += _mm(b_dvn.to(dt), tl.trans(b_h), PREC, UPCAST)
+        b_hdh += b_h.to(tl.float32) * b_dh
+
+    b_egc = tl.exp(b_gc)
+    # output, inter-chunk: o += scale exp(gc) q h
+    b_dq = b_dq * (b_egc * scale)[:, None]
+    b_dgc = _rsum(b_dq * b_q.to(tl.float32), axis=1)
+    # output, intra-chunk: o += scale lower_incl(E q k^T) vn
+    incl = o_i[:, None] >= o_i[None, :]
+    b_qk = _mm(b_q, tl.trans(b_k), PREC, UPCAST)
+    b_ds = tl.where(incl, b_ds * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0) * scale
+    b_p = b_ds * b_qk
+    b_dgc += _rsum(b_p, axis=1) - _rsum(b_p, axis=0)
+    b_dsc = b_ds.to(dt)
+    b_dq += _mm(b_dsc, b_k, PREC, UPCAST)
+    # state update: h' = exp(gl) h + (exp(gl - gc) k)^T vn
+    b_dk = b_dk * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
+    b_kdk = _rsum(b_dk * b_k.to(tl.float32), axis=1)
+    b_dgc -= b_kdk
+    b_dgl = _rsum(b_kdk, axis=0) + tl.exp(b_gl) * _rsum(_rsum(b_hdh, axis=1), axis=0)
+    last = tl.minimum(BT, T - i_t * BT) - 1
+    b_dgc += tl.where(o_i == last, b_dgl, 0.0)
+    b_dk += _mm(tl.trans(b_dsc), b_q, PREC, UPCAST)
+
+    _tok_store(dq_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dq)
+    _tok_store(dk_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dk)
+    _tok_store(dw_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, -b_dw)
+    o_t = i_t * BT + o_i
+    tl.store(dgc_out + i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h, b_dgc, mask=m_t)
+
+
+@triton.jit
+def gdn_bwd_wy_kernel(
+    k, v, beta, gc, tinv, dw, du, dk, dgc, dT_out, dv_out, dbeta_out,
+    T, DU_STRIDE, DU_OFF,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Back through w = Tinv (beta exp(gc) k) and u = Tinv (beta v): dv, partial dbeta, the w-terms
+    of dk and d(gc) (accumulated in place into ``dk``/``dgc``), and d(Tinv) (``dT_out``, fp32).
+
+    ``du`` rows have stride ``DU_STRIDE`` (elements per token per head) and start at ``DU_OFF``, so
+    d(vn) can be read in place from the backward state pass buffer. Dot operands use the token dtype.
+    """
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
+
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    dt = b_k.dtype
+    b_v = _tok_load(v, i_b, i_h, T, Hv, V, i_t, 0, BT, V)
+    b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    b_egc = tl.exp(b_gc)
+    b_Tt = tl.trans(_tok_load(tinv, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT).to(dt))
+
+    b_dw = _tok_load(dw, i_b, i_h, T, Hv, K, i_t, 0, BT, K).to(dt)
+    b_kb = (b_k.to(tl.float32) * (b_beta * b_egc)[:, None]).to(dt)
+    b_dT = _mm(b_dw, tl.trans(b_kb), PREC, UPCAST)
+    b_dkb = _mm(b_Tt, b_dw, PREC, UPCAST)
+    b_dbeta = _rsum(b_dkb * b_k.to(tl.float32) * b_egc[:, None], axis=1)
+    b_dkw = b_dkb * (b_beta * b_egc)[:, None]
+    _tok_store(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K, _tok_load(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K) + b_dkw)
+    b_dgc = tl.load(dgc + row, mask=m_t, other=0.0) + _rsum(b_dkw * b_k.to(tl.float32), axis=1)
+    tl.store(dgc + row, b_dgc, mask=m_t)
+
+    b_du = _tok_load(du, i_b, i_h, T, Hv, DU_STRIDE, i_t, DU_OFF, BT, V).to(dt)
+    b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
+    b_dT += _mm(b_du, tl.trans(b_vb), PREC, UPCAST)
+    b_dvb = _mm(b_Tt, b_du, PREC, UPCAST)
+    _tok_store(dv_out, i_b, i_h, T, Hv, V, i_t, 0, BT, V, (b_dvb * b_beta[:, None]).to(dv_out.dtype.element_ty))
+    b_dbeta += _rsum(b_dvb * b_v.to(tl.float32), axis=1)
+    tl.store(dbeta_out + row, b_dbeta, mask=m_t)
+    _tok_store(dT_out, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT, b_dT)
+
+
+@triton.jit
+def gdn_bwd_tri_kernel(
+    k, beta, gc, tinv, dT, dk, dgc, dbeta, dg_out,
+    T,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
+    BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Back through Tinv = (I + A)^-1, A = strictly_lower(beta_i E_ij k_i.k_j): the A-terms of dk,
+    dbeta, d(gc) (in place), then dg = in-chunk reverse cumsum of d(gc)."""
+    i_t, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    o_i = tl.arange(0, BT)
+    o_t = i_t * BT + o_i
+    m_t = o_t < T
+    row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
+
+    b_Tt = tl.trans(_tok_load(tinv, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT))
+    b_dT = _tok_load(dT, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT)
+    # Tinv = (I + A)^-1  =>  dA = -Tinv^T dTinv Tinv^T, kept on the strictly lower part
+    b_dA = -_mm(_mm(b_Tt, b_dT, PREC, UPCAST), b_Tt, PREC, UPCAST)
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
+    lower = o_i[:, None] > o_i[None, :]
+    b_E = tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.0))
+    b_dAE = tl.where(lower, b_dA * b_E, 0.0)
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_kk = _mm(b_k, tl.trans(b_k), PREC, UPCAST)
+    b_dbeta = tl.load(dbeta + row, mask=m_t, other=0.0) + _rsum(b_dAE * b_kk, axis=1)
+    tl.store(dbeta + row, b_dbeta, mask=m_t)
+    b_dAb = b_dAE * b_beta[:, None]
+    b_z = b_dAb * b_kk
+    b_dgc = tl.load(dgc + row, mask=m_t, other=0.0) + _rsum(b_z, axis=1) - _rsum(b_z, axis=0)
+    b_dAbc = b_dAb.to(b_k.dtype)
+    b_dkA = _mm(b_dAbc, b_k, PREC, UPCAST) + _mm(tl.trans(b_dAbc), b_k, PREC, UPCAST)
+    _tok_store(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K, _tok_load(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K) + b_dkA)
+    # gc = in-chunk cumsum of g  =>  dg_t = sum_{i >= t} dgc_i
+    b_dg = _chunk_cumsum(b_dgc, BT, True)
+    tl.store(dg_out + row, b_dg, mask=m_t)
+
+
+# ----------------------------------------------------------------------------- q/k L2 norm
+
+
+@triton.jit
+def gdn_l2norm_fwd_kernel(x, y, rstd, N, eps, D: tl.constexpr, BR: tl.constexpr):
+    """Rows of ``x [N, D]``: ``y = x * rsqrt(sum(x^2) + eps)`` (in x's dtype), ``rstd`` fp32 [N]."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    m = rows < N
+    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    b_x = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
+    b_r = tl.rsqrt(_rsum(b_x * b_x, axis=1) + eps)
+    tl.store(y + off, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m[:, None])
+    tl.store(rstd + rows, b_r, mask=m)
+
+
+@triton.jit
+def gdn_l2norm_bwd_kernel(x, rstd, dy, dx, N, D: tl.constexpr, BR: tl.constexpr):
+    """``dx = r (dy - y (y . dy))`` with ``y = x r`` recomputed in fp32."""
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    m = rows < N
+    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    b_r = tl.load(rstd + rows, mask=m, other=0.0)
+    b_y = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32) * b_r[:, None]
+    b_dy = tl.load(dy + off, mask=m[:, None], other=0.0).to(tl.float32)
+    b_dx = b_r[:, None] * (b_dy - b_y * _rsum(b_dy * b_y, axis=1)[:, None])
+    tl.store(dx + off, b_dx.to(dx.dtype.element_ty), mask=m[:, None])

@@ -1,0 +1,311 @@
+"""Triton GDN kernels against the eager oracle.
+
+On a machine without CUDA the kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``,
+set here before the kernels are first imported) at tiny shapes; with CUDA the ``gpu`` set runs at
+T = 4K / 16K instead. Skipped cleanly when triton is missing.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from cpcompile.kernels import chunk_gated_delta_rule  # noqa: E402
+from cpcompile.kernels.gdn_eager import chunk_gated_delta_rule_eager  # noqa: E402
+from cpcompile.kernels.triton_gdn import GDNCapabilityError, chain_grad_step, chain_step  # noqa: E402
+from cpcompile.kernels.triton_gdn import capability as cap  # noqa: E402
+from cpcompile.kernels.triton_gdn import ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests (TRITON_INTERPRET=1, no CUDA)")
+DEV = "cpu" if INTERPRET else "cuda"
+
+
+def _inputs(B, T, Hk, Hv, K, V, dtype, *, seed, device=DEV, h0=False):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    q = rnd(B, T, Hk, K)
+    k = torch.nn.functional.normalize(rnd(B, T, Hk, K), dim=-1)
+    v = rnd(B, T, Hv, V)
+    g = torch.nn.functional.logsigmoid(rnd(B, T, Hv) + 2.0)  # log decay <= 0, a few % a token
+    beta = torch.sigmoid(rnd(B, T, Hv))
+    state = rnd(B, Hv, K, V) if h0 else None
+    cast = [x.to(device=device, dtype=dtype) for x in (q, k, v)]
+    return (*cast, g.to(device), beta.to(device=device, dtype=dtype), state.to(device) if state is not None else None)
+
+
+def _rel(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def _reference(q, k, v, g, beta, h0, do, dht, *, l2norm=False, dtype=torch.float64):
+    """Oracle forward + autograd backward on upcast copies of the same (already rounded) inputs."""
+    leaves = [x.detach().to(dtype).requires_grad_() for x in (q, k, v, g, beta)]
+    h0r = h0.detach().to(dtype).requires_grad_() if h0 is not None else None
+    o, ht = chunk_gated_delta_rule_eager(*leaves, initial_state=h0r, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=l2norm)
+    loss = (o * do.to(dtype)).sum() + (ht * dht.to(dtype)).sum()
+    loss.backward()
+    grads = [x.grad for x in leaves] + [h0r.grad if h0r is not None else None]
+    return o.detach(), ht.detach(), grads
+
+
+def _check_fwd_bwd(B, T, Hk, Hv, K, V, dtype, *, h0, l2norm, seed, tol_fwd, tol_bwd):
+    q, k, v, g, beta, state = _inputs(B, T, Hk, Hv, K, V, dtype, seed=seed, h0=h0)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    h0t = state.clone().requires_grad_() if state is not None else None
+    o, ht = chunk_gated_delta_rule(*leaves, initial_state=h0t, output_final_state=True,
+                                   use_qk_l2norm_in_kernel=l2norm, backend="triton")
+    assert o.dtype == dtype and o.shape == (B, T, Hv, V) and ht.dtype == torch.float32
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(seed + 1)).to(o.device)
+    dht = torch.randn(ht.shape, generator=torch.Generator().manual_seed(seed + 2)).to(o.device)
+    ((o.float() * do).sum() + (ht * dht).sum()).backward()
+    ro, rht, rgrads = _reference(q, k, v, g, beta, state, do, dht, l2norm=l2norm)
+    assert _rel(o, ro) < tol_fwd, ("o", _rel(o, ro))
+    assert _rel(ht, rht) < tol_fwd, ("final state", _rel(ht, rht))
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dh0"]
+    for name, leaf, ref in zip(names, leaves + [h0t], rgrads):
+        if ref is None:
+            continue
+        assert leaf.grad is not None and torch.isfinite(leaf.grad).all(), name
+        assert leaf.grad.dtype == leaf.dtype, name
+        assert _rel(leaf.grad, ref) < tol_bwd, (name, _rel(leaf.grad, ref))
+
+
+# ----------------------------------------------------------------------------- CPU interpreter set
+
+CPU_CASES = [
+    # B, T, Hk, Hv, K, V, dtype, h0, l2norm
+    pytest.param(1, 64, 1, 1, 32, 32, torch.float32, False, False, id="one-chunk-fp32"),
+    pytest.param(2, 100, 1, 2, 32, 32, torch.float32, True, False, id="partial-chunk-grouped-h0-fp32"),
+    pytest.param(1, 128, 2, 4, 16, 32, torch.float32, True, True, id="KneV-l2norm-fp32"),
+    pytest.param(1, 37, 1, 1, 64, 16, torch.float32, False, False, id="short-fp32"),
+    pytest.param(1, 128, 1, 2, 32, 32, torch.bfloat16, True, True, id="bf16"),
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("B,T,Hk,Hv,K,V,dtype,h0,l2norm", CPU_CASES)
+def test_fwd_bwd_match_oracle(B, T, Hk, Hv, K, V, dtype, h0, l2norm):
+    tol_f, tol_b = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 3e-2)
+    _check_fwd_bwd(B, T, Hk, Hv, K, V, dtype, h0=h0, l2norm=l2norm, seed=T + K, tol_fwd=tol_f, tol_bwd=tol_b)
+
+
+def _p2p_run(q, k, v, g, beta, h0, do, dht, cuts, scale):
+    """Emulate State-P2P over segments with the cpcompile::gdn_p2p_* ops and the fp32 chain."""
+    ops = torch.ops.cpcompile
+    segs = list(zip(cuts[:-1], cuts[1:]))
+    sl = [lambda x, a=a, b=b: x[:, a:b].contiguous() for a, b in segs]
+    saved, h_ins, h = [], [], h0
+    for s in sl:  # summaries are independent of the incoming state: all could run at once
+        saved.append(ops.gdn_p2p_fwd_summary(s(k), s(v), s(g), s(beta)))
+    for M, S, *_ in saved:  # the serial part: fp32 M @ H + S
+        h_ins.append(h)
+        h = chain_step(M, S, h)
+    outs = [ops.gdn_p2p_fwd_output(s(q), s(k), sv[2], sv[6], sv[7], hi if hi is not None else torch.zeros_like(sv[1]),
+                                   scale) for s, sv, hi in zip(sl, saved, h_ins)]
+    dsum = [ops.gdn_p2p_bwd_summary(s(q), s(k), sv[3], sv[2], s(do), scale) for s, sv in zip(sl, saved)]
+    d_outs, dh = [None] * len(segs), dht
+    for i in reversed(range(len(segs))):  # the serial part backwards: dH_local + M^T dH
+        d_outs[i] = dh
+        dh = chain_grad_step(saved[i][0], dsum[i][0], dh)
+    grads = [ops.gdn_p2p_bwd_finish(s(q), s(k), s(v), s(g), s(beta), sv[2], sv[3], sv[4], sv[5], s(do), hi,
+                                    ds[2], ds[3], dout, scale)
+             for s, sv, hi, ds, dout in zip(sl, saved, h_ins, dsum, d_outs)]
+    mts = [ds[1] for ds in dsum]
+    return torch.cat(outs, 1), h, [torch.cat([gr[j] for gr in grads], 1) for j in range(5)], dh, saved, mts
+
+
+def _check_p2p(B, T, Hk, Hv, K, V, dtype, cuts, *, seed, tol):
+    q, k, v, g, beta, state = _inputs(B, T, Hk, Hv, K, V, dtype, seed=seed, h0=True)
+    gen = torch.Generator().manual_seed(seed + 7)
+    do = torch.randn(B, T, Hv, V, generator=gen).to(device=q.device, dtype=dtype)
+    dht = torch.randn(B, Hv, K, V, generator=gen).to(q.device)
+    o, ht, grads, dh0, saved, mts = _p2p_run(q, k, v, g, beta, state, do, dht, cuts, K ** -0.5)
+    ro, rht, rgrads = _reference(q, k, v, g, beta, state, do, dht)
+    assert _rel(o, ro) < tol and _rel(ht, rht) < tol
+    for name, got, ref in zip(["dq", "dk", "dv", "dg", "dbeta"], grads, rgrads):
+        assert _rel(got, ref) < tol, (name, _rel(got, ref))
+    assert _rel(dh0, rgrads[5]) < tol
+    # the backward pass's transposed suffix product equals the forward's M^T
+    for sv, mt in zip(saved, mts):
+        assert _rel(mt, sv[0].transpose(-1, -2)) < tol
+    # each segment's (M, S) matches the oracle's summary
+    from cpcompile.kernels.gdn_eager import gdn_segment_summary
+    a, b = cuts[0], cuts[1]
+    rm, rs = gdn_segment_summary(*(x[:, a:b].double() for x in (k, v, g, beta)))
+    assert _rel(saved[0][0], rm) < tol and _rel(saved[0][1], rs) < tol
+
+
+@cpu_only
+def test_p2p_pieces_match_oracle():
+    _check_p2p(1, 160, 1, 2, 32, 32, torch.float32, [0, 40, 104, 160], seed=3, tol=1e-5)
+
+
+@cpu_only
+def test_l2norm_op_matches_torch():
+    x = torch.randn(2, 50, 3, 64, dtype=torch.float64).float().requires_grad_()
+    y = torch.ops.cpcompile.gdn_l2norm(x)[0]
+    xr = x.detach().double().requires_grad_()
+    yr = xr * torch.rsqrt((xr * xr).sum(-1, keepdim=True) + 1e-6)
+    dy = torch.randn_like(y)
+    y.backward(dy)
+    yr.backward(dy.double())
+    assert _rel(y, yr) < 1e-6 and _rel(x.grad, xr.grad) < 1e-5
+
+
+@cpu_only
+def test_opcheck_custom_ops():
+    q, k, v, g, beta, state = _inputs(1, 70, 1, 2, 16, 16, torch.float32, seed=11, h0=True)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
+    torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_fwd.default, (*leaves, 0.25))
+    o, ht, gc, w, u, tinv = torch.ops.cpcompile.gdn_chunk_fwd(*[x.detach() for x in leaves], 0.25)
+    det = [x.detach() for x in (q, k, v, g, beta, state)]
+    torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_bwd.default,
+                          (*det, gc, w, u, tinv, torch.randn_like(o), torch.randn_like(ht), 0.25))
+    torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_bwd.default,
+                          (*det[:5], None, gc, w, u, tinv, torch.randn_like(o), None, 0.25))
+    x = torch.randn(1, 70, 3, 32, requires_grad=True)
+    torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm.default, (x,))
+    y, rstd = torch.ops.cpcompile.gdn_l2norm(x.detach())
+    torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm_bwd.default, (x.detach(), rstd, torch.randn_like(y)))
+    s = torch.ops.cpcompile.gdn_p2p_fwd_summary(*det[1:5])
+    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_summary.default, tuple(det[1:5]))
+    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_output.default, (det[0], det[1], s[2], s[6], s[7], det[5], 0.25))
+    d = torch.ops.cpcompile.gdn_p2p_bwd_summary(det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25)
+    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_bwd_summary.default, (det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25))
+    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_bwd_finish.default,
+                          (*det[:5], *s[2:6], torch.randn_like(o), det[5], d[2], d[3], torch.randn_like(ht), 0.25))
+
+
+@cpu_only
+def test_torch_compile_fullgraph():
+    q, k, v, g, beta, state = _inputs(1, 64, 1, 2, 16, 16, torch.float32, seed=5, h0=True)
+
+    def core(q, k, v, g, beta, h0):
+        o, ht = chunk_gated_delta_rule(q, k * 1.0, v, g, beta, initial_state=h0, output_final_state=True,
+                                       use_qk_l2norm_in_kernel=True)
+        return o.sum() + ht.sum()
+
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta, state)]
+    compiled = torch.compile(core, fullgraph=True, backend="aot_eager")
+    compiled(*leaves).backward()
+    ref = [x.clone().requires_grad_() for x in (q, k, v, g, beta, state)]
+    core(*ref).backward()
+    for a, b in zip(leaves, ref):
+        assert _rel(a.grad, b.grad) < 1e-6
+
+
+# ----------------------------------------------------------------------------- capability / API errors
+
+
+def test_unknown_backend_is_rejected():
+    x = torch.zeros(1, 4, 1, 16)
+    with pytest.raises(ValueError, match="unknown GDN backend 'fla'"):
+        chunk_gated_delta_rule(x, x, x, torch.zeros(1, 4, 1), torch.zeros(1, 4, 1), backend="fla")
+
+
+@pytest.mark.parametrize("case,capability", [
+    ("head_dim", "head dim"), ("dtype", "dtype"), ("heads", "head count"), ("chunk", "chunk size"),
+    ("length", "length"),
+])
+def test_capability_errors_name_the_cause(case, capability):
+    B, T, Hk, Hv, K, V = 1, 8, 1, 2, 16, 16
+    q = torch.zeros(B, T, Hk, K)
+    v = torch.zeros(B, T, Hv, V)
+    g = beta = torch.zeros(B, T, Hv)
+    kwargs = {}
+    if case == "head_dim":
+        q = torch.zeros(B, T, Hk, 48)
+    elif case == "dtype":
+        q = q.half()
+    elif case == "heads":
+        q = torch.zeros(B, T, 3, K)
+        v, g, beta = torch.zeros(B, T, 4, V), torch.zeros(B, T, 4), torch.zeros(B, T, 4)
+    elif case == "chunk":
+        kwargs["chunk_size"] = 32
+    elif case == "length":
+        q, v, g, beta = q[:, :0], v[:, :0], g[:, :0], beta[:, :0]
+    k = q.clone() if case != "dtype" else q.float()
+    with pytest.raises(GDNCapabilityError) as err:
+        cap.check_inputs(q, k, v, g, beta, **kwargs)
+    assert err.value.capability == capability and capability in str(err.value)
+
+
+def test_cpu_without_interpreter_is_rejected(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(GDNCapabilityError, match="unsupported device: cpu tensors need TRITON_INTERPRET=1"):
+        cap.check_device.__wrapped__("cpu", None)
+    with pytest.raises(GDNCapabilityError, match="unsupported device: device type 'mps'"):
+        cap.check_device.__wrapped__("mps", None)
+
+
+def test_import_does_not_need_triton():
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'triton' or name.startswith('triton.'):\n"
+        "            raise ImportError('blocked')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import torch, cpcompile, cpcompile.kernels\n"
+        "from cpcompile.kernels import chunk_gated_delta_rule\n"
+        "assert 'cpcompile.kernels.triton_gdn' not in sys.modules\n"
+        "x = torch.randn(1, 8, 1, 16)\n"
+        "o, _ = chunk_gated_delta_rule(x, x, x, -torch.rand(1, 8, 1), torch.rand(1, 8, 1), backend='eager')\n"
+        "assert o.shape == (1, 8, 1, 16)\n"
+        "try:\n"
+        "    chunk_gated_delta_rule(x, x, x, -torch.rand(1, 8, 1), torch.rand(1, 8, 1))\n"
+        "except Exception as e:\n"
+        "    assert 'unsupported dependency: triton is not installed' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('triton backend ran without triton')\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------- GPU set
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [4096, 16384])
+def test_gpu_fwd_bwd_long(T):
+    _check_fwd_bwd(1, T, 2, 4, 128, 128, torch.bfloat16, h0=True, l2norm=True, seed=T, tol_fwd=2e-2, tol_bwd=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_fwd_bwd_fp32():
+    _check_fwd_bwd(1, 4096 + 37, 2, 4, 128, 128, torch.float32, h0=True, l2norm=True, seed=9, tol_fwd=1e-3,
+                   tol_bwd=2e-3)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [4096, 16384])
+def test_gpu_p2p_long(T):
+    cuts = [0, T // 4 + 17, T // 2, T]
+    _check_p2p(1, T, 2, 4, 128, 128, torch.bfloat16, cuts, seed=T + 1, tol=3e-2)
