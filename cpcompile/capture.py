@@ -3,22 +3,21 @@
 `probe_forward` runs the model once on an example batch and records, for every module
 the plan targets, the real inputs of its first call, and, for every SDPA call, the stack
 of modules it ran inside. `trace_region` then exports one module (non-strict
-`torch.export`) from recorded inputs, always through the module class's own `forward`,
-so a module whose `forward` cpcompile already replaced can be traced again.
+`torch.export`) from recorded inputs, through the forward its region adapter names (for SDPA
+the module class's own `forward`, so a module cpcompile already changed can be traced again).
 """
 from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
-
+from .models import core_module_kind
 
 @dataclass
 class ProbeResult:
@@ -39,11 +38,15 @@ class _RecordSdpaCalls(TorchFunctionMode):
 
 
 @contextmanager
-def _module_stack_hooks(model: nn.Module, stack: list[str]):
+def _module_stack_hooks(model: nn.Module, stack: list[str], sites: list):
     handles = []
     for name, module in model.named_modules():
-        def push(_m, _a, name=name):
+        kind = core_module_kind(module)
+
+        def push(_m, _a, name=name, kind=kind):
             stack.append(name)
+            if kind is not None:
+                sites.append((kind, tuple(stack)))
 
         def pop(_m, _a, _o):
             stack.pop()
@@ -73,10 +76,10 @@ def _record_first_inputs(modules: dict[str, nn.Module], into: dict):
 
 
 def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module]) -> ProbeResult:
-    """One real forward (no grad) recording region inputs and where each SDPA core runs."""
+    """One real forward (no grad) recording region inputs and where each core runs."""
     result = ProbeResult()
     stack: list[str] = []
-    with torch.no_grad(), _module_stack_hooks(model, stack), _record_first_inputs(regions, result.inputs):
+    with torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), _record_first_inputs(regions, result.inputs):
         with _RecordSdpaCalls(stack, result.core_sites):
             if isinstance(example, dict):
                 model(**example)
@@ -87,29 +90,20 @@ def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module])
     return result
 
 
-def reject_inference_cache(fqn: str, kwargs: dict) -> None:
-    for name in CACHE_KWARGS:
-        if kwargs.get(name) is not None:
-            raise ValueError(
-                f"{fqn}: called with {name}={type(kwargs[name]).__name__}; CP does not support an "
-                "inference cache or incremental decoding — call the model with use_cache=False "
-                "(cpcompile.shard_batch adds it)"
-            )
+class _TracedForward(nn.Module):
+    """Holds the region module as `target` and calls `forward(target, ...)` for export."""
 
-
-class _ClassForward(nn.Module):
-    """Calls `target`'s class-level forward, bypassing an instance-level replacement."""
-
-    def __init__(self, target: nn.Module):
+    def __init__(self, target: nn.Module, forward: Callable[..., Any]):
         super().__init__()
         self.target = target
+        self._forward = forward
 
     def forward(self, *args, **kwargs):
-        return type(self.target).forward(self.target, *args, **kwargs)
+        return self._forward(self.target, *args, **kwargs)
 
 
 PREFIX = "target."
 
 
-def trace_region(module: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    return torch.export.export(_ClassForward(module), tuple(args), dict(kwargs), strict=False)
+def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False)

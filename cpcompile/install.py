@@ -9,10 +9,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .capture import probe_forward, reject_inference_cache, trace_region
+from .capture import probe_forward, trace_region
+from .combinations import check_method_combination
 from .context import PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import PlanError
+from .models import region_for
 from .passes import run_passes
 from .plan import Override, load_plan
 from .region import RegionProgram, signature_key
@@ -48,6 +50,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
         return model
     reject_unsupported_combinations(plan)
+    check_method_combination(overrides)
     targets = resolve_targets(model, overrides)
     build_subgroups(mesh, overrides)
     example = example_inputs if example_inputs is not None else default_example(model)
@@ -144,10 +147,11 @@ class InstalledRegion:
 
     def __init__(self, target: Target, mesh, dump: Dump | None, args: tuple, kwargs: dict):
         self.target = target
+        self.region = region_for(target.override.method)
         self.mesh = mesh
         self.dump = dump
         self.programs: dict[Any, RegionProgram] = {}
-        self._build(args, kwargs)
+        self._build(*self.region.prepare_call(target.fqn, args, kwargs))
 
     def install(self) -> None:
         module = self.target.module
@@ -155,6 +159,7 @@ class InstalledRegion:
         setattr(module, MARKER, {"fqn": self.target.fqn, "method": self.target.override.method.describe()})
 
     def __call__(self, *args, **kwargs):
+        args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         program = self.programs.get(signature_key(args, kwargs))
         if program is None:
             program = self._build(args, kwargs)
@@ -162,9 +167,9 @@ class InstalledRegion:
 
     @torch.compiler.disable
     def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
+        """Trace, rewrite and cache the region for a call signature (args already prepared)."""
         target = self.target
-        reject_inference_cache(target.fqn, kwargs)
-        ep = trace_region(target.module, args, kwargs)
+        ep = trace_region(target.module, self.region.forward, args, kwargs)
         program = RegionProgram.from_export(ep, ep.graph_module)
         ctx = PassContext(
             fqn=target.fqn,
@@ -179,6 +184,6 @@ class InstalledRegion:
         observer = self.dump.pass_observer(target.fqn, variant) if self.dump else None
         program.gm = run_passes(program.gm, ctx, on_pass=observer)
         if self.dump:
-            self.dump.add_region(ctx, program.gm, variant)
+            self.dump.add_region(ctx, program.gm, variant, backend=target.override.method.params.get("backend", "-"))
         self.programs[signature_key(args, kwargs)] = program
         return program

@@ -4,7 +4,10 @@ Passes are plain functions `name_pass(gm, ctx) -> gm`, run in this order:
 
 1. `find_cores_pass`   — the region holds the core kind its method rewrites (checks.py)
 2. `sdpa_rewrite_pass` — SDPA cores → collectives + local attention (sdpa_rewrite.py)
-3. `schedule_pass`     — async methods: launches early, waits late (not implemented yet)
+   `gdn_rewrite_pass`  — GDN layers → conv halo + Ulysses / state chain / state gather (gdn_rewrite.py)
+3. `schedule_pass`     — async methods: one priority-ordered topological sort puts each launch
+                         after its last producer and its wait before its first consumer, then
+                         refuses a collective or attention with nothing to overlap (schedule.py)
 4. `verify_pass`       — lint, launch/wait pairing, fake values (checks.py)
 
 Each pass keeps `meta["val"]` valid; the orchestrator dumps the graph before and after
@@ -18,19 +21,14 @@ import torch.fx as fx
 
 from ..context import PassContext
 from .checks import find_cores_pass, verify_pass
+from .schedule import schedule_pass
+from .gdn_rewrite import gdn_rewrite_pass
 from .sdpa_rewrite import sdpa_rewrite_pass
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
-
-def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.method.asynchronous:
-        raise NotImplementedError(f"{ctx.fqn}: asynchronous CP methods are not implemented yet ({ctx.method.wrapper})")
-    return gm
-
-
-PIPELINE: tuple[Pass, ...] = (find_cores_pass, sdpa_rewrite_pass, schedule_pass, verify_pass)
+PIPELINE: tuple[Pass, ...] = (find_cores_pass, sdpa_rewrite_pass, gdn_rewrite_pass, schedule_pass, verify_pass)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, on_pass=None) -> fx.GraphModule:

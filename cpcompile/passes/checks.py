@@ -6,8 +6,9 @@ import torch.fx as fx
 from .. import collectives as C
 from ..context import PassContext
 from .find_cores import find_sdpa_cores
+from .find_gdn import find_gdn_cores
 
-CORE_FINDERS = {"sdpa": find_sdpa_cores}
+CORE_FINDERS = {"sdpa": find_sdpa_cores, "gdn": find_gdn_cores}
 
 
 def find_cores_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -1,0 +1,75 @@
+"""Matcher for the Gated DeltaNet core of a traced GDN layer (see models/qwen3_5.py)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from .. import gdn_ops  # noqa: F401  (registers the cpcompile:: ops)
+
+aten = torch.ops.aten
+GDN_CHUNK = torch.ops.cpcompile.gdn_chunk.default
+PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
+CONV_OPS = (aten.conv1d.default, aten.convolution.default)
+
+
+@dataclass
+class GdnMatch:
+    """One GDN core and the causal conv left-pad that feeds its q/k/v.
+
+    `core` is `cpcompile::gdn_chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend)`
+    with q/k `[B, T, Hk, K]`, v `[B, T, Hv, V]`, g/β `[B, T, Hv]`; `conv_pad` left-pads the conv
+    input `[B, C, T]` by `halo` = kernel − 1 zeros, the context a sequence shard lacks.
+    """
+
+    core: fx.Node
+    conv_pad: fx.Node
+    halo: int
+
+    @property
+    def inputs(self) -> tuple[fx.Node, ...]:
+        return tuple(self.core.args[:5])
+
+    @property
+    def chunk_size(self) -> int:
+        return self.core.args[7]
+
+    @property
+    def backend(self) -> str:
+        return self.core.args[8]
+
+    def emit_core(self, emit, q, k, v, g, beta, initial_state=None) -> fx.Node:
+        """A new core call on other inputs (shapes may differ), keeping scale/chunk/backend."""
+        return emit(GDN_CHUNK, q, k, v, g, beta, initial_state, *self.core.args[6:])
+
+    def replace_core_with(self, gm: fx.GraphModule, output: fx.Node) -> None:
+        self.core.replace_all_uses_with(output)
+        gm.graph.erase_node(self.core)
+
+    def replace_pad_with(self, node: fx.Node) -> None:
+        self.conv_pad.replace_all_uses_with(node)
+
+
+def _conv_left_pad(gm: fx.GraphModule) -> tuple[fx.Node, int]:
+    pads = [
+        n for n in gm.graph.nodes
+        if n.op == "call_function" and n.target in PAD_OPS and any(u.target in CONV_OPS for u in n.users)
+    ]
+    if len(pads) != 1:
+        raise ValueError(f"expected one causal conv left-pad in a GDN layer, found {len(pads)}")
+    pad = pads[0]
+    left, right = pad.args[1]
+    if right != 0 or left < 1:
+        raise ValueError(f"GDN conv pad {pad.args[1]} is not a causal left pad")
+    return pad, left
+
+
+def find_gdn_cores(gm: fx.GraphModule) -> list[GdnMatch]:
+    cores = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is GDN_CHUNK]
+    if not cores:
+        return []
+    if len(cores) > 1:
+        raise ValueError(f"expected one GDN core per region, found {len(cores)}")
+    pad, halo = _conv_left_pad(gm)
+    return [GdnMatch(cores[0], pad, halo)]

@@ -1,0 +1,124 @@
+"""Tiny Qwen3.5 models and GDN CP comparisons shared by the GDN tests."""
+from __future__ import annotations
+
+import types
+
+import torch
+
+from cp_harness import rel
+
+VOCAB = 96
+TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_key_head_dim=8, linear_value_head_dim=8,
+            linear_num_key_heads=4, linear_num_value_heads=8, linear_conv_kernel_dim=4)
+CHUNK = 8  # small, so that local lengths span several chunks and end mid-chunk
+
+
+def tiny_qwen3_5(seed: int, dtype=torch.float32):
+    """Qwen3_5ForCausalLM: 3 GDN layers + 1 full-attention layer."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, attn_implementation="sdpa")).to(dtype)
+
+
+def tiny_qwen3_5_vl(seed: int, dtype=torch.float32):
+    """Qwen3_5ForConditionalGeneration, used through its text path."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  patch_size=2, temporal_patch_size=1, spatial_merge_size=1)
+    config = Qwen3_5Config(text_config=TEXT, vision_config=vision)
+    config._attn_implementation = "sdpa"
+    return Qwen3_5ForConditionalGeneration(config).to(dtype)
+
+
+def gdn_wrapper(method: str, **params) -> dict:
+    return {"_target_": f"cpcompile.models.qwen3_5.qwen3_5_gdn_{method}_cp_wrapper", "chunk_size": CHUNK, **params}
+
+
+def gdn_plan(cp: int, method: str, sdpa: str | None = None, match: str = "*.linear_attn", **params) -> dict:
+    overrides = [{"match": match, "when": "cp", "region_dispatch": False, "inner_target": "self",
+                  "inner_wrapper": gdn_wrapper(method, **params)}]
+    if sdpa:
+        overrides.append({"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_wrapper": sdpa})
+    return {"accelerator": {"cp_size": cp}, "plan_overrides": overrides}
+
+
+def use_reference_gdn(model):
+    """CP=1 reference with cpcompile's own statement of the GDN layer (eager core).
+
+    transformers' torch path always computes the core in fp32 with another algorithm, so
+    the fp32 gradients of the decay parameters (A_log, dt_bias) differ from any other exact
+    algorithm by ~1e-3 (they sum many cancelling terms); the adapter test checks that
+    statement against transformers, these tests check CP against it.
+    """
+    from cpcompile.models.qwen3_5 import gdn_layer_forward, is_gdn_layer
+
+    def forward(self, hidden_states, attention_mask=None, **_):
+        return gdn_layer_forward(self, hidden_states, attention_mask, chunk_size=CHUNK, backend="eager")
+
+    for module in model.modules():
+        if is_gdn_layer(module):
+            module.forward = types.MethodType(forward, module)
+    return model
+
+
+class LayerHolder(torch.nn.Module):
+    """One GDN layer as a model, so `compile` can target `layer`."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, hidden_states, attention_mask=None):
+        return self.layer(hidden_states, attention_mask=attention_mask)
+
+
+def gdn_layer(seed: int, dtype):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    torch.manual_seed(seed)
+    return LayerHolder(Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**TEXT), layer_idx=0)).to(dtype)
+
+
+def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: bool, local_len: int) -> dict:
+    """Full-layer output, input gradient and parameter gradients: CP vs CP=1 (same dtype)."""
+    import cpcompile
+
+    batch, length = 2, local_len * world
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, TEXT["hidden_size"], generator=gen).to(dtype)
+    weight = torch.randn(batch, length, TEXT["hidden_size"], generator=gen).to(dtype)
+    mask = None
+    if padded:
+        mask = torch.ones(batch, length, dtype=torch.long)
+        mask[0, : length // 3 + 1] = 0
+    block = slice(rank * local_len, (rank + 1) * local_len)
+
+    ref_model = use_reference_gdn(gdn_layer(seed, dtype))
+    ref_in = hidden.clone().requires_grad_()
+    ref_out = ref_model(ref_in, mask)
+    (ref_out * weight).sum().backward()
+
+    plan = cpcompile.load_plan(gdn_plan(world, method, match="layer"))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local_mask = None if mask is None else mask[:, block]
+    local_in = hidden[:, block].clone().requires_grad_()
+    model = cpcompile.compile(gdn_layer(seed, dtype), mesh, plan, example_inputs=(local_in, local_mask))
+    out = model(local_in, local_mask)
+    (out * weight[:, block]).sum().backward()
+    grads = {}
+    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+        total = p.grad.clone()
+        torch.distributed.all_reduce(total)
+        grads[name] = rel(total, q.grad)
+    return {
+        "output": rel(out, ref_out[:, block]),
+        "input_grad": rel(local_in.grad, ref_in.grad[:, block]),
+        "grads": grads,
+        "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
+        "padding_zero": True if mask is None else bool((out[local_mask == 0] == 0).all()),
+    }

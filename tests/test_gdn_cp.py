@@ -1,0 +1,122 @@
+"""GDN context parallelism (Ulysses, State-P2P, State-AllGather, eager backend) equals CP=1.
+
+Layer level: a `Qwen3_5GatedDeltaNet` — output, input gradient, every parameter gradient —
+in float64 (tight), fp32 and bf16, with a padding mask, with local lengths that end
+mid-chunk. Model level: a tiny Qwen3.5 (3 GDN + 1 attention layer) with a GDN override and
+an SDPA AllGather override, logits / loss / gradients, both Hugging Face identities.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from cp_harness import assert_equivalent, random_batch, rel
+from gdn_harness import gdn_plan, layer_errors, tiny_qwen3_5, tiny_qwen3_5_vl, use_reference_gdn
+from dist_utils import run_distributed
+
+METHODS = ("ulysses", "p2p", "all_gather")
+LOCAL_LEN = 12  # chunk 8: one full chunk and a partial one per rank
+_results: dict = {}
+
+
+def _model_errors(rank: int, world: int, make, method: str, seed: int, dtype) -> dict:
+    import cpcompile
+
+    batch = random_batch(seed, 2, LOCAL_LEN * world, padded=True)
+    reference = use_reference_gdn(make(seed, dtype))
+    ref_out = reference(**batch, use_cache=False)
+    ref_out.loss.backward()
+    plan = cpcompile.load_plan(gdn_plan(world, method, sdpa="sdpa_hf"))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = cpcompile.shard_batch(batch, mesh, plan)
+    model = cpcompile.compile(make(seed, dtype), mesh, plan, example_inputs=local)
+    out = model(**local)
+    out.loss.backward()
+    cpcompile.all_reduce_gradients(model, mesh)
+    loss = out.loss.detach().clone()
+    torch.distributed.all_reduce(loss)
+    grads = {n: rel(p.grad, q.grad) for (n, p), q in zip(model.named_parameters(), reference.parameters())
+             if q.grad is not None}
+    regions = [m for m in model.modules() if hasattr(m, "_cpcompile_config")]
+    return {
+        "logits": rel(cpcompile.unshard(out.logits.detach(), mesh, plan), ref_out.logits),
+        "loss": abs(loss.item() - ref_out.loss.item()) / abs(ref_out.loss.item()),
+        "grads": grads,
+        "missing_grads": [n for n, p in model.named_parameters() if p.grad is None and p.requires_grad
+                          and n in dict(reference.named_parameters()) and dict(reference.named_parameters())[n].grad is not None],
+        "compiled": len(regions) == 4,
+    }
+
+
+def _run_all(rank: int, world: int, seed: int) -> dict:
+    out = {}
+    for method in METHODS:
+        out[method, "float64"] = layer_errors(rank, world, method, torch.float64, seed, padded=True, local_len=LOCAL_LEN)
+        out[method, "float32"] = layer_errors(rank, world, method, torch.float32, seed + 1, padded=True, local_len=LOCAL_LEN)
+        out[method, "bfloat16"] = layer_errors(rank, world, method, torch.bfloat16, seed + 2, padded=False, local_len=LOCAL_LEN)
+    out["model", "p2p"] = _model_errors(rank, world, tiny_qwen3_5, "p2p", seed + 3, torch.float64)
+    out["vl_model", "p2p"] = _model_errors(rank, world, tiny_qwen3_5_vl, "p2p", seed + 4, torch.float64)
+    out["model_fp32", "ulysses"] = _model_errors(rank, world, tiny_qwen3_5, "ulysses", seed + 5, torch.float32)
+    return out
+
+
+def results_for(world: int) -> list[dict]:
+    if world not in _results:
+        _results[world] = run_distributed(_run_all, world, random.randrange(1 << 30), timeout=900)
+    return _results[world]
+
+
+def _worst(result: dict) -> float:
+    return max([result["output"], result["input_grad"], *result["grads"].values()])
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_gdn_layer_float64(world, method):
+    """Every gradient within 1e-6: the layer keeps Qwen3.5's fp32 casts (q/k norm, decay),
+    so float64 runs are only as exact as one fp32 rounding; any CP error would be far larger."""
+    for result in results_for(world):
+        r = result[method, "float64"]
+        assert _worst(r) <= 1e-6, r
+        assert r["padding_zero"], "padded positions must output exactly zero"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_gdn_layer_float32(world, method):
+    """fp32 within 1e-5, except the decay parameters' gradients (see use_reference_gdn)."""
+    for result in results_for(world):
+        r = result[method, "float32"]
+        decay = {"layer.A_log", "layer.dt_bias", "layer.in_proj_a.weight"}
+        others = [r["output"], r["input_grad"]] + [v for n, v in r["grads"].items() if n not in decay]
+        assert max(others) <= 1e-5, r
+        assert max(r["grads"][n] for n in decay) <= 1e-2, r
+        assert r["padding_zero"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", METHODS)
+def test_gdn_layer_bfloat16(world, method):
+    for result in results_for(world):
+        r = result[method, "bfloat16"]
+        assert r["finite"]
+        assert _worst(r) <= 1e-2, r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("model", ["model", "vl_model"])
+def test_qwen3_5_with_p2p_and_all_gather_attention(world, model):
+    for result in results_for(world):
+        assert_equivalent(result[model, "p2p"], tol=1e-6)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_qwen3_5_fp32_with_ulysses(world):
+    for result in results_for(world):
+        r = result["model_fp32", "ulysses"]
+        decay = [v for n, v in r["grads"].items() if n.endswith(("A_log", "dt_bias", "in_proj_a.weight"))]
+        r = dict(r, grads={n: v for n, v in r["grads"].items() if not n.endswith(("A_log", "dt_bias", "in_proj_a.weight"))})
+        assert_equivalent(r)
+        assert max(decay) <= 1e-2
