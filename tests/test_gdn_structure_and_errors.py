@@ -106,7 +106,7 @@ def test_p2p_backward_runs_the_state_gradient_chain(tmp_path_factory):
 
 def _errors(rank: int, world: int) -> dict:
     import cpcompile
-    from gdn_harness import LayerHolder, gdn_layer
+    from gdn_harness import gdn_layer
 
     _fake_pg(0, 2)
     mesh = cpcompile.build_mesh(cpcompile.AcceleratorConfig(cp_size=2), device_type="cpu")

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cp_harness import (
-    VOCAB, assert_equivalent, compare_cp_run, random_batch, rel, sdpa_plan, tiny_llama, tiny_qwen3,
+    assert_equivalent, compare_cp_run, random_batch, rel, sdpa_plan, tiny_llama, tiny_qwen3,
 )
 from dist_utils import run_distributed
 

@@ -1,7 +1,6 @@
 """Structure of the AllGather rewrite, checked under the fake process group (no real communication)."""
 from __future__ import annotations
 
-import torch
 
 from cp_harness import random_batch, sdpa_plan, tiny_qwen3
 from dist_utils import run_distributed

@@ -1,4 +1,4 @@
-"""Graph fragments for GDN CP: pass-to-next-rank, sequence↔head all-to-all, summary algebra.
+"""Graph fragments for GDN CP: pass-to-next-rank, sequence↔head exchange, summary algebra.
 
 Token tensors here use the GDN layout `[B, T, H, *rest]` (sequence dim 1, head dim 2).
 """
@@ -12,8 +12,10 @@ import torch.fx as fx
 from .. import collectives as C
 from ..context import PassContext
 from .graph_utils import Emitter, val
+from .sequence_ops import all_gather_sequence, all_to_all, cp_group, record_collective
 
 aten = torch.ops.aten
+SEQ, HEADS = 1, 2
 
 
 def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: str) -> fx.Node:
@@ -31,44 +33,23 @@ def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: 
     payload = emit(aten.clone.default, rows, memory_format=torch.contiguous_format)
     launch = emit(C.ALL_TO_ALL, payload, recv_splits, send_splits, ctx.group_name)
     received = emit(C.WAIT, launch)
-    ctx.record(C.collective_kind(C.ALL_TO_ALL), purpose, launch, received)
+    record_collective(ctx, C.ALL_TO_ALL, purpose, launch, received, cp_group(ctx))
     return received if rank > 0 else emit(aten.mul.Scalar, received, 0)
 
 
 def seq_to_heads(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:
     """`[B, T/P, H, *rest]` on every rank → `[B, T, H/P, *rest]` (rank r keeps head block r)."""
-    size = ctx.cp_size
-    shape = list(val(x).shape)
-    batch, local_len, heads, rest = shape[0], shape[1], shape[2], shape[3:]
-    split = emit(aten.reshape.default, x, [batch, local_len, size, heads // size, *rest])
-    dims = list(range(len(rest) + 4))
-    to_front = emit(aten.permute.default, split, [2, 0, 1, *dims[3:]])  # [P, B, T/P, H/P, *rest]
-    received = all_to_all_blocks(emit, ctx, to_front, purpose)  # block i: sequence block of rank i
-    back = emit(aten.permute.default, received, [1, 0, 2, *dims[3:]])
-    return emit(aten.reshape.default, back, [batch, local_len * size, heads // size, *rest])
+    return all_to_all(emit, ctx, x, scatter_dim=HEADS, gather_dim=SEQ, group=cp_group(ctx), purpose=purpose)
 
 
 def heads_to_seq(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:
     """Inverse of `seq_to_heads`: `[B, T, H/P, *rest]` → `[B, T/P, H, *rest]`."""
-    size = ctx.cp_size
-    shape = list(val(x).shape)
-    batch, length, head_block, rest = shape[0], shape[1], shape[2], shape[3:]
-    split = emit(aten.reshape.default, x, [batch, size, length // size, head_block, *rest])
-    dims = list(range(len(rest) + 4))
-    to_front = emit(aten.permute.default, split, [1, 0, *dims[2:]])  # [P, B, T/P, H/P, *rest]
-    received = all_to_all_blocks(emit, ctx, to_front, purpose)  # block i: head block of rank i
-    back = emit(aten.permute.default, received, [1, 2, 0, *dims[3:]])
-    return emit(aten.reshape.default, back, [batch, length // size, head_block * size, *rest])
+    return all_to_all(emit, ctx, x, scatter_dim=SEQ, gather_dim=HEADS, group=cp_group(ctx), purpose=purpose)
 
 
-def all_to_all_blocks(emit: Emitter, ctx: PassContext, blocks: fx.Node, purpose: str) -> fx.Node:
-    """Exchange block i of dim 0 with rank i (equal blocks)."""
-    contiguous = emit(aten.clone.default, blocks, memory_format=torch.contiguous_format)
-    splits = [1] * ctx.cp_size
-    launch = emit(C.ALL_TO_ALL, contiguous, splits, splits, ctx.group_name)
-    done = emit(C.WAIT, launch)
-    ctx.record(C.collective_kind(C.ALL_TO_ALL), purpose, launch, done)
-    return done
+def gather_ranks(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:
+    """`[...]` on every rank → `[P, ...]` in rank order."""
+    return all_gather_sequence(emit, ctx, emit(aten.unsqueeze.default, x, 0), seq_dim=0, purpose=purpose)
 
 
 def apply_summary(emit: Emitter, m: fx.Node, s: fx.Node, state: fx.Node) -> fx.Node:

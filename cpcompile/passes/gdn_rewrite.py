@@ -15,10 +15,9 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from .. import collectives as C
 from ..context import PassContext
 from .find_gdn import GdnMatch, find_gdn_cores
-from .gdn_graph_ops import apply_summary, heads_to_seq, seq_to_heads, shift_to_next_rank, summary_parts
+from .gdn_graph_ops import apply_summary, gather_ranks, heads_to_seq, seq_to_heads, shift_to_next_rank, summary_parts
 from .graph_utils import Emitter, val
 
 aten = torch.ops.aten
@@ -114,15 +113,6 @@ def rewrite_all_gather(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) ->
     state = emit(aten.select.int, emit(aten.stack.default, prefixes), 0, ctx.cp_rank)
     match.replace_core_with(gm, match.emit_core(emit, *match.inputs, initial_state=state))
     ctx.notes.append("state prefix: ranks 0..r-1 composed in rank order")
-
-
-def gather_ranks(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:
-    """`[...]` on every rank → `[P, ...]` in rank order."""
-    contiguous = emit(aten.clone.default, emit(aten.unsqueeze.default, x, 0), memory_format=torch.contiguous_format)
-    launch = emit(C.ALL_GATHER, contiguous, ctx.cp_size, ctx.group_name)
-    done = emit(C.WAIT, launch)
-    ctx.record(C.collective_kind(C.ALL_GATHER), purpose, launch, done)
-    return done
 
 
 GDN_REWRITES = {"ulysses": rewrite_ulysses, "p2p": rewrite_p2p, "all_gather": rewrite_all_gather}

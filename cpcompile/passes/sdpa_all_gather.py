@@ -7,14 +7,12 @@ gathered from every rank.
 """
 from __future__ import annotations
 
-import torch
 import torch.fx as fx
 
 from ..context import PassContext
 from .find_cores import SdpaMatch
-from .graph_utils import Emitter, evaluate_node, val
-from .sdpa_masks import CAUSAL, classify_local_mask
-from .sequence_ops import all_gather_sequence, all_valid_keys, gathered_key_valid, global_causal_mask, mask_row
+from .graph_utils import Emitter, val
+from .sequence_ops import all_gather_sequence, gathered_key_valid, local_key_validity, visible_keys
 
 SEQ_DIM = 2  # SDPA layout [B, H, S, D]
 
@@ -50,17 +48,6 @@ def global_mask_for(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx: Pa
     rank of the same batch does pass one; every rank must still issue the same collectives,
     so key validity is always gathered (all-true where the rank had no mask).
     """
-    query = val(match.query)
-    if match.attn_mask is None:
-        causal = match.is_causal
-        key_valid = gathered_key_valid(emit, ctx, all_valid_keys(emit, query.shape[0], q_len, query.device))
-    else:
-        if match.is_causal:
-            raise ValueError(f"{ctx.fqn}: SDPA with both is_causal=True and a mask is not supported")
-        pattern = classify_local_mask(evaluate_node(gm, match.attn_mask, ctx.example_inputs), ctx.fqn)
-        causal = pattern == CAUSAL
-        key_valid = gathered_key_valid(emit, ctx, mask_row(emit, match.attn_mask, q_len - 1 if causal else 0))
-    if not causal:
-        return key_valid
-    mask = global_causal_mask(emit, q_len, global_len, ctx.cp_rank * q_len, query.device)
-    return emit(torch.ops.aten.logical_and.default, key_valid, mask)
+    causal, key_valid = local_key_validity(emit, gm, match, ctx)
+    gathered = gathered_key_valid(emit, ctx, key_valid)
+    return visible_keys(emit, gathered, causal, q_len, global_len, ctx.cp_rank * q_len, val(match.query).device)

@@ -29,7 +29,7 @@ def cp_group(ctx: PassContext) -> CommGroup:
     return CommGroup(ctx.group_name, ctx.cp_size, "cp")
 
 
-def _record(ctx: PassContext, op, purpose: str, launch: fx.Node, done: fx.Node, group: CommGroup) -> None:
+def record_collective(ctx: PassContext, op, purpose: str, launch: fx.Node, done: fx.Node, group: CommGroup) -> None:
     label = purpose if group.role == "cp" else f"{purpose} @{group.role}"
     ctx.record(C.collective_kind(op), label, launch, done, group_name=group.name, group_size=group.size)
 
@@ -49,7 +49,7 @@ def all_gather_sequence(emit: Emitter, ctx: PassContext, x: fx.Node, seq_dim: in
     contiguous = emit(aten.clone.default, moved, memory_format=torch.contiguous_format)
     launch = emit(C.ALL_GATHER, contiguous, group.size, group.name)
     done = emit(C.WAIT, launch)
-    _record(ctx, C.ALL_GATHER, purpose, launch, done, group)
+    record_collective(ctx, C.ALL_GATHER, purpose, launch, done, group)
     return emit(aten.permute.default, done, back)
 
 
@@ -70,7 +70,7 @@ def all_to_all(emit: Emitter, ctx: PassContext, x: fx.Node, *, scatter_dim: int,
     one_part_each = [1] * n
     launch = emit(C.ALL_TO_ALL, contiguous, one_part_each, one_part_each, group.name)
     done = emit(C.WAIT, launch)
-    _record(ctx, C.ALL_TO_ALL, purpose, launch, done, group)
+    record_collective(ctx, C.ALL_TO_ALL, purpose, launch, done, group)
     # received: [sender, *shape with scatter_dim cut]; put the sender axis just before gather_dim
     beside_gather = list(range(1, gather_dim + 1)) + [0] + list(range(gather_dim + 1, rank + 1))
     placed = emit(aten.permute.default, done, beside_gather)
