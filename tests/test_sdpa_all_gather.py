@@ -11,7 +11,7 @@ from cp_harness import (
 )
 from dist_utils import run_distributed
 
-SCENARIOS = ("qwen3", "qwen3_padded", "llama_mqa_padded", "hand_sharded", "aot_eager")
+SCENARIOS = ("qwen3", "qwen3_padded", "llama_mqa_padded", "query_blocks_padded", "hand_sharded", "aot_eager")
 _results: dict[int, dict] = {}
 
 
@@ -45,6 +45,8 @@ def _run_all(rank: int, world: int, seed: int) -> dict:
     out["llama_mqa_padded"] = compare_cp_run(
         lambda: tiny_llama(seed), random_batch(seed + 3, 2, 4 * world, padded=True), sdpa_plan(world)
     )
+    # 256 local queries: causal attention runs in query blocks against truncated keys
+    out["query_blocks_padded"] = compare_cp_run(qwen, random_batch(seed + 6, 2, 256 * world, padded=True), sdpa_plan(world))
     out["hand_sharded"] = _hand_sharded(rank, world, seed + 4)
     if world == 2:
         out["aot_eager"] = compare_cp_run(
