@@ -84,6 +84,14 @@ def gdn_layer(seed: int, dtype):
     return LayerHolder(Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**TEXT), layer_idx=0)).to(dtype)
 
 
+def reference_layer_run(seed: int, dtype, hidden, weight, mask):
+    model = use_reference_gdn(gdn_layer(seed, dtype))
+    inputs = hidden.to(dtype).clone().requires_grad_()
+    out = model(inputs, mask)
+    (out * weight.to(dtype)).sum().backward()
+    return model, inputs, out
+
+
 def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: bool, local_len: int) -> dict:
     """Full-layer output, input gradient and parameter gradients: CP vs CP=1 (same dtype)."""
     import cpcompile
@@ -98,10 +106,8 @@ def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: b
         mask[0, : length // 3 + 1] = 0
     block = slice(rank * local_len, (rank + 1) * local_len)
 
-    ref_model = use_reference_gdn(gdn_layer(seed, dtype))
-    ref_in = hidden.clone().requires_grad_()
-    ref_out = ref_model(ref_in, mask)
-    (ref_out * weight).sum().backward()
+    ref_model, ref_in, ref_out = reference_layer_run(seed, dtype, hidden, weight, mask)
+    truth_model = reference_layer_run(seed, torch.float64, hidden, weight, mask)[0]
 
     plan = cpcompile.load_plan(gdn_plan(world, method, match="layer"))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
@@ -110,15 +116,18 @@ def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: b
     model = cpcompile.compile(gdn_layer(seed, dtype), mesh, plan, example_inputs=(local_in, local_mask))
     out = model(local_in, local_mask)
     (out * weight[:, block]).sum().backward()
-    grads = {}
-    for (name, p), q in zip(model.named_parameters(), ref_model.parameters()):
+    grads, grads_vs_truth, reference_vs_truth = {}, {}, {}
+    for (name, p), q, t in zip(model.named_parameters(), ref_model.parameters(), truth_model.parameters()):
         total = p.grad.clone()
         torch.distributed.all_reduce(total)
         grads[name] = rel(total, q.grad)
+        grads_vs_truth[name], reference_vs_truth[name] = rel(total, t.grad), rel(q.grad, t.grad)
     return {
         "output": rel(out, ref_out[:, block]),
         "input_grad": rel(local_in.grad, ref_in.grad[:, block]),
         "grads": grads,
+        "grads_vs_truth": grads_vs_truth,          # CP run vs a float64 CP=1 run
+        "reference_vs_truth": reference_vs_truth,  # the CP=1 run in `dtype` vs the same
         "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
         "padding_zero": True if mask is None else bool((out[local_mask == 0] == 0).all()),
     }

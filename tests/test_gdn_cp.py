@@ -86,13 +86,15 @@ def test_gdn_layer_float64(world, method):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", METHODS)
 def test_gdn_layer_float32(world, method):
-    """fp32 within 1e-5, except the decay parameters' gradients (see use_reference_gdn)."""
+    """fp32 within 1e-5 of CP=1, except the decay parameters' gradients, which sum many
+    cancelling terms: there the CP run must be as close to a float64 run as CP=1 itself is."""
     for result in results_for(world):
         r = result[method, "float32"]
         decay = {"layer.A_log", "layer.dt_bias", "layer.in_proj_a.weight"}
         others = [r["output"], r["input_grad"]] + [v for n, v in r["grads"].items() if n not in decay]
         assert max(others) <= 1e-5, r
-        assert max(r["grads"][n] for n in decay) <= 1e-2, r
+        for name in decay:
+            assert r["grads_vs_truth"][name] <= 10 * r["reference_vs_truth"][name] + 1e-6, (name, r)
         assert r["padding_zero"]
 
 
