@@ -6,7 +6,10 @@ Shapes follow Qwen3.5's GDN layer: B=1, 16 key heads, 32 value heads, K=V=128, b
 fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+backward (median of
 ``repeat`` timed iterations after ``warmup``, CUDA events) and peak allocated/reserved memory of one
 forward+backward; plus the State-P2P local cost (summary + output-with-state) against the plain local
-forward, and a per-kernel breakdown at 16K.
+forward; the GDN CP wrappers' triton backend as the rewritten graph calls it (``cpcompile::gdn_chunk`` /
+``gdn_summary``: plain core vs State-P2P's summary + chain step + core from the entering state); and a
+per-kernel breakdown at 16K. Interrupted (Ctrl-C, ``timeout -s INT``), it still writes what it measured.
+On a fresh machine fla-core's first call compiles and autotunes for minutes: give a full run 5+ minutes.
 
 fla-core's gated backward refuses to run on Hopper with Triton < 3.7.1 (fla issue #640, a Triton
 miscompile). For *timing only* this script lifts that guard (``--lift-fla-guard``, default on);
@@ -170,6 +173,47 @@ def bench_p2p(T, warmup, repeat, rows):
           f"({t_bp2p / t_bplain:.2f}x); |o_p2p-o|/|o| {err:.1e}, grads {gerr:.1e}", flush=True)
 
 
+def bench_layer_ops(T, warmup, repeat, rows):
+    """The GDN CP wrappers' triton backend as the graph rewrite calls it (``cpcompile::gdn_chunk`` /
+    ``gdn_summary``; q/k fp32 as Qwen3.5's layer hands them over, v/beta bf16): the plain local core
+    (Ulysses' core, CP=1) vs State-P2P's local work (summary, ``M H + S``, core from the entering state),
+    forward and forward+backward (the backward runs the chain and the summary's backward too)."""
+    ops = torch.ops.cpcompile
+    from cpcompile import gdn_ops  # noqa: F401  (registers the layer-level ops)
+
+    (q, k, v, g, beta), do = make_inputs(T)
+    q, k = (torch.nn.functional.normalize(x.float(), dim=-1) for x in (q, k))
+    h_in = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
+    s = DK ** -0.5
+
+    def plain(xs):
+        return ops.gdn_chunk(*xs, None, s, 64, "triton")
+
+    def p2p(xs):
+        m, st = ops.gdn_summary(*xs[1:], 64, "triton")
+        h_out = m @ h_in + st  # what this rank sends on (the chain's step)
+        return ops.gdn_chunk(*xs, h_in, s, 64, "triton"), h_out
+
+    def fwd_bwd(fn):
+        xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
+
+        def step():
+            out = fn(xs)
+            if isinstance(out, tuple):
+                (out[0] * do).sum().add((out[1] * h_in).sum()).backward()
+            else:
+                out.backward(do)
+        return step
+
+    xs = [q, k, v, g, beta]
+    with torch.no_grad():
+        t_plain, t_p2p = time_cuda(lambda: plain(xs), warmup, repeat), time_cuda(lambda: p2p(xs), warmup, repeat)
+    tb_plain, tb_p2p = time_cuda(fwd_bwd(plain), warmup, repeat), time_cuda(fwd_bwd(p2p), warmup, repeat)
+    rows.append(dict(T=T, plain=t_plain, p2p=t_p2p, bplain=tb_plain, bp2p=tb_p2p))
+    print(f"  layer ops T={T}: gdn_chunk fwd {t_plain:.3f} ms, P2P path {t_p2p:.3f} ms ({t_p2p / t_plain:.2f}x); "
+          f"fwd+bwd {tb_plain:.3f} vs {tb_p2p:.3f} ms ({tb_p2p / tb_plain:.2f}x)", flush=True)
+
+
 def accuracy(T, methods):
     """Relative L2 error of o and of every input gradient vs the fp32 eager oracle, same bf16 inputs."""
     from cpcompile.kernels.gdn_eager import chunk_gated_delta_rule_eager
@@ -329,7 +373,8 @@ def main():
     print(env, flush=True)
     tuned = tune_warps(16384, 2, 5) if args.tune else None
 
-    rows, p2p_rows = [], []
+    rows, p2p_rows, layer_rows, acc, breakdown = [], [], [], [], {}
+    interrupted = None
     methods = [("cpcompile", "triton", ours())]
     if not args.no_fla:
         try:
@@ -339,22 +384,28 @@ def main():
         except Exception as exc:  # noqa: BLE001
             print(f"fla-core unavailable: {exc!r}")
     ref = torch_reference()
-    acc = accuracy(4096, methods)
-    for T in args.T:
-        for name, backend, run in methods:
-            try:
-                bench_method(name, backend, run, T, args.warmup, args.repeat, rows)
-            except Exception as exc:  # noqa: BLE001
-                print(f"  {name} T={T} failed: {exc!r}", flush=True)
-        if T <= args.ref_max_T:
-            bench_method("hf-torch", "transformers torch_chunk_gated_delta_rule", ref, T, 1, 3, rows)
-        bench_p2p(T, args.warmup, args.repeat, p2p_rows)
-        torch.cuda.empty_cache()
-    breakdown = kernel_breakdown(16384, args.warmup, args.repeat)
-    breakdown.update(ablation(16384, args.warmup, args.repeat))
-    breakdown.update(api_overhead(16384, args.warmup, args.repeat))
+    try:  # Ctrl-C / `timeout -s INT`: write the table of what was measured so far
+        acc += accuracy(4096, methods)
+        for T in args.T:
+            for name, backend, run in methods:
+                try:
+                    bench_method(name, backend, run, T, args.warmup, args.repeat, rows)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"  {name} T={T} failed: {exc!r}", flush=True)
+            if T <= args.ref_max_T:
+                bench_method("hf-torch", "transformers torch_chunk_gated_delta_rule", ref, T, 1, 3, rows)
+            bench_p2p(T, args.warmup, args.repeat, p2p_rows)
+            bench_layer_ops(T, args.warmup, args.repeat, layer_rows)
+            torch.cuda.empty_cache()
+        breakdown.update(kernel_breakdown(16384, args.warmup, args.repeat))
+        breakdown.update(ablation(16384, args.warmup, args.repeat))
+        breakdown.update(api_overhead(16384, args.warmup, args.repeat))
+    except KeyboardInterrupt:
+        interrupted = "interrupted (time limit) before the end: the sections below hold what was measured"
+        print(interrupted, flush=True)
 
     lines = [f"# GDN kernel benchmark — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
+             *([f"**Run {interrupted}.**", ""] if interrupted else []),
              f"Shapes: B={B}, key heads {HK}, value heads {HV}, K=V={DK}, bf16 q/k/v/beta, fp32 g, "
              "use_qk_l2norm_in_kernel=True. Times: median over `repeat` iterations after `warmup` "
              "(CUDA events); peak memory of one forward+backward, inputs included.", "",
@@ -383,6 +434,14 @@ def main():
         lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['summary']:.3f} | {r['output']:.3f} | {r['p2p']:.3f} "
                      f"| {r['p2p'] / r['plain']:.2f} | {r['bplain']:.3f} | {r['bp2p']:.3f} | {r['bp2p'] / r['bplain']:.2f} "
                      f"| {r['err']:.1e} / {r['gerr']:.1e} |")
+    lines += ["", "GDN CP wrappers' triton backend as the rewritten graph calls it (`cpcompile::gdn_chunk`, "
+              "`gdn_summary`; q/k fp32 in, v/beta bf16): plain local core vs State-P2P's local work "
+              "(summary + `M H + S` + core from the entering state):", "",
+              "| T | gdn_chunk fwd ms | P2P path fwd ms | ratio | gdn_chunk fwd+bwd ms | P2P path fwd+bwd ms | ratio |",
+              "|---|---|---|---|---|---|---|"]
+    for r in layer_rows:
+        lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['p2p']:.3f} | {r['p2p'] / r['plain']:.2f} | {r['bplain']:.3f} "
+                     f"| {r['bp2p']:.3f} | {r['bp2p'] / r['bplain']:.2f} |")
     lines += ["", "Accuracy at T=4096 (same bf16 inputs; relative L2 error vs cpcompile's fp32 eager oracle):", ""]
     lines += [f"- {name}: {text}" for name, text in acc]
     lines += ["", "Per-kernel time at T=16384 (ms):", "", "| kernel | ms |", "|---|---|"]

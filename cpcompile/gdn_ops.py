@@ -5,8 +5,13 @@
 
 q and k arrive already L2-normalised (the layer does that in the graph), g is the log decay,
 beta the write strength; layouts as in `cpcompile.kernels.gdn_eager`. Each op has a fake
-implementation and an autograd formula (a backward op that recomputes the forward under
-autograd), so graphs holding them export, compile and differentiate like ATen ops.
+implementation and an autograd formula (a backward op), so graphs holding them export, compile
+and differentiate like ATen ops.
+
+Backends: `eager` runs the pure-PyTorch oracle (backward: recompute under `torch.func.vjp`);
+`triton` runs cpcompile's Triton kernels forward and backward (`kernels.triton_gdn.backend`), with
+the capability check at region build (`require_backend`), at trace time (fake impls) and at run
+time — never a fallback. Triton is imported only when the triton backend is used.
 """
 from __future__ import annotations
 
@@ -24,29 +29,47 @@ def check_backend(backend: str) -> None:
 
 
 def require_backend(backend: str) -> None:
-    """Fail before anything runs when `backend` cannot run here (never fall back)."""
+    """Fail before anything runs when `backend` cannot run here (never fall back).
+
+    `triton`: the capability check that needs no tensor (triton importable; a CUDA device of
+    compute capability >= 8.0, an Ascend NPU, or `TRITON_INTERPRET=1` for CPU tensors). It raises
+    `GDNCapabilityError` naming the capability. Shapes, dtypes and the tensors' device are checked
+    when the region is traced (the ops' fake implementations) and again at run time.
+    """
     check_backend(backend)
     if backend == "triton":
-        raise NotImplementedError("the triton GDN backend is not available yet; use backend='eager'")
+        from .kernels.triton_gdn.capability import check_environment
+
+        check_environment()
 
 
-def _chunk_fn(backend: str):
-    require_backend(backend)
-    return gdn_eager.chunk_gated_delta_rule_eager
+def _triton():
+    from .kernels.triton_gdn import backend as triton_backend  # imports triton: first use only
+
+    return triton_backend
 
 
-def _summary_fn(backend: str):
-    require_backend(backend)
-    return gdn_eager.gdn_segment_summary
+def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
+    """Input and device capabilities on (fake) tensor metadata: a region fails at trace time."""
+    from .kernels.triton_gdn.capability import cast_and_check
+
+    cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
 def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tensor:
-    out, _ = _chunk_fn(backend)(q, k, v, g, beta, chunk_size=chunk_size, scale=scale, initial_state=initial_state)
+    check_backend(backend)
+    if backend == "triton":
+        return _triton().chunk_forward(q, k, v, g, beta, initial_state, scale, chunk_size)
+    out, _ = gdn_eager.chunk_gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
+                                                    initial_state=initial_state)
     return out.contiguous()  # the fake implementation promises a contiguous result
 
 
 def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
-    m, s = _summary_fn(backend)(k, v, g, beta, chunk_size=chunk_size)
+    check_backend(backend)
+    if backend == "triton":
+        return _triton().summary_forward(k, v, g, beta, chunk_size)
+    m, s = gdn_eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
     return m.contiguous(), s.contiguous()
 
 
@@ -81,6 +104,8 @@ def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
 
 @gdn_chunk.register_fake
 def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend):
+    if backend == "triton":
+        _check_triton(q, k, v, g, beta, initial_state, chunk_size)
     return v.new_empty(v.shape, dtype=q.dtype)
 
 
@@ -88,6 +113,9 @@ def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend):
 def gdn_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        initial_state: Tensor | None, scale: float, chunk_size: int,
                        backend: str) -> list[Tensor]:
+    if backend == "triton":
+        return _triton().chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size)
+
     def forward(q, k, v, g, beta, h0):
         return _chunk(q, k, v, g, beta, h0, scale, chunk_size, backend)
 
@@ -133,6 +161,8 @@ def _summary_shapes(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[list
 
 @gdn_summary.register_fake
 def _(k, v, g, beta, chunk_size, backend):
+    if backend == "triton":
+        _check_triton(k, k, v, g, beta, None, chunk_size)
     m_shape, s_shape, dtype = _summary_shapes(k, v, g, beta)
     return k.new_empty(m_shape, dtype=dtype), k.new_empty(s_shape, dtype=dtype)
 
@@ -140,6 +170,9 @@ def _(k, v, g, beta, chunk_size, backend):
 @torch.library.custom_op("cpcompile::gdn_summary_backward", mutates_args=())
 def gdn_summary_backward(grad_m: Tensor, grad_s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          chunk_size: int, backend: str) -> list[Tensor]:
+    if backend == "triton":
+        return _triton().summary_backward(grad_m, grad_s, k, v, g, beta, chunk_size)
+
     def forward(k, v, g, beta):
         return _summary(k, v, g, beta, chunk_size, backend)
 

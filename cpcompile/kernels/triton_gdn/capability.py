@@ -136,3 +136,50 @@ def check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     """All checks: inputs, then the device (cached)."""
     check_inputs(q, k, v, g, beta, initial_state, chunk_size)
     check_device(q.device.type, q.device.index)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_environment() -> None:
+    """What can be checked before any tensor exists (when a GDN region is built, i.e. at
+    ``cpcompile.compile``): triton importable, and a device the kernels can run on here."""
+    require_triton()
+    if _interpreting():
+        return  # CPU tensors through Triton's interpreter (tests); cuda tensors are refused per call
+    if torch.cuda.is_available():
+        check_device("cuda", torch.cuda.current_device())
+        return
+    npu = getattr(torch, "npu", None)
+    if npu is not None and npu.is_available():
+        check_device("npu", None)
+        return
+    raise GDNCapabilityError(
+        "device", "no CUDA device (compute capability >= 8.0) or Ascend NPU is visible, and TRITON_INTERPRET=1 "
+        "(the CPU interpreter, for tests) is not set")
+
+
+def kernel_dtype(v: Tensor) -> torch.dtype:
+    """The kernels' token dtype for a GDN layer's core: v's (the model's activation dtype).
+
+    Qwen3.5's layer hands q and k over in fp32 (its L2 norm keeps fp32) beside bf16 v and beta;
+    the kernels take one dtype for q, k, v, so q and k are cast to v's, as fla-core's kernels
+    see them in transformers (bf16, normalised in the kernel).
+    """
+    if v.dtype not in SUPPORTED_DTYPES:
+        raise GDNCapabilityError("dtype", f"v must be bf16 or fp32; got {v.dtype}")
+    return v.dtype
+
+
+def cast_and_check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
+                   chunk_size: int = CHUNK_SIZE) -> tuple[Tensor, Tensor]:
+    """q, k in the kernel dtype, after every input and device check (metadata only: also runs on
+    fake tensors, so a GDN region fails at trace time, inside ``cpcompile.compile``)."""
+    dtype = kernel_dtype(v)
+    for name, t in (("q", q), ("k", k)):
+        if not t.dtype.is_floating_point:
+            raise GDNCapabilityError("dtype", f"{name} must be floating; got {t.dtype}")
+    q, k = q.to(dtype), k.to(dtype)
+    check(q, k, v, g, beta, initial_state, chunk_size)
+    return q, k

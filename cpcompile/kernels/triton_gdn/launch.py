@@ -190,14 +190,16 @@ def _sum_groups(x: Tensor, Hk: int) -> Tensor:
     return x.view(B, T, Hk, Hv // Hk, D).sum(3) if Hv != Hk else x
 
 
-def _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg):
+def _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype=None):
     Hk = k.shape[2]
-    return (_sum_groups(dq, Hk).to(q.dtype), _sum_groups(dk, Hk).to(k.dtype), dv,
+    return (_sum_groups(dq, Hk).to(qk_grad_dtype or q.dtype), _sum_groups(dk, Hk).to(qk_grad_dtype or k.dtype), dv,
             dg.to(g.dtype), dbeta.to(beta.dtype))
 
 
-def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale):
-    """Plain local backward -> (dq, dk, dv, dg, dbeta, dh0 fp32). Recomputes the chunk states."""
+def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None):
+    """Plain local backward -> (dq, dk, dv, dg, dbeta, dh0 fp32). Recomputes the chunk states.
+    ``qk_grad_dtype``: dtype of dq, dk (default q's / k's; the layer ops ask for the dtype q and k had
+    before their cast to the kernel dtype, so fp32 gradients are not rounded through bf16)."""
     h0 = h0.float().contiguous() if h0 is not None else None
     dht = dht.float().contiguous() if dht is not None else None
     do = do.contiguous()
@@ -206,7 +208,7 @@ def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale):
     dhbuf, dvnbuf, dh0 = bwd_state(q, k, w, gc, do, dvl, dht, scale)
     dq, dk, dw, dgc, _ = bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale)
     dk, dv, dbeta, dg = bwd_prepare(k, v, beta, gc, tinv, dw, dvnbuf, 0, dk, dgc)
-    return (*_finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg), dh0)
+    return (*_finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype), dh0)
 
 
 # ----------------------------------------------------------------------------- State-P2P pieces
@@ -253,6 +255,39 @@ def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, s
     dq, dk, dw, dgc, du = bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale, dh_out=dh_out, ny=K)
     dk, dv, dbeta, dg = bwd_prepare(k, v, beta, gc, tinv, dw, du, 0, dk, dgc)
     return _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg)
+
+
+# ----------------------------------------------------------------------------- summary backward
+
+
+def _final_state_bwd(k, v, beta, gc, w, u, tinv, h0, dht):
+    """Gradients of ``<dht, final state>`` alone (no output gradient) -> per value head fp32
+    (dk [B,T,Hv,K], dv in v's dtype, dbeta, dg). ``w``, ``u``, ``tinv``, ``gc`` from ``fwd_prepare``."""
+    B, T, Hk, Hv, K, V, NT = _dims(None, k, v)
+    do = torch.zeros(B, T, Hv, V, device=k.device, dtype=k.dtype)
+    dvl = torch.zeros(B, T, Hv, V, device=k.device, dtype=torch.float32)  # no outputs: no intra-chunk term
+    hbuf, vnbuf, _ = fwd_state(k, w, u, gc, h0)
+    dhbuf, dvnbuf, _ = bwd_state(k, k, w, gc, do, dvl, dht.float().contiguous(), 1.0)
+    _, dk, dw, dgc, _ = bwd_inter(k, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, 1.0)
+    return bwd_prepare(k, v, beta, gc, tinv, dw, dvnbuf, 0, dk, dgc)
+
+
+def summary_bwd(k, v, g, beta, dM, dS, k_grad_dtype=None):
+    """Exact backward of ``(M, S) = p2p_fwd_summary(k, v, g, beta)`` -> (dk, dv, dg, dbeta).
+
+    ``S`` is the final state of the segment from a zero state; ``M`` the final state from the
+    entering state ``I`` with zero values (value width K). Both are plain chunk problems with a
+    final-state gradient only; they share ``gc``, ``w`` and ``Tinv`` (which do not depend on v), and
+    their per-value-head gradients are summed in fp32 before the key-head reduction.
+    """
+    Hk = k.shape[2]
+    B, T, _, Hv, K, V, NT = _dims(None, k, v)
+    gc, w, u, tinv = fwd_prepare(k, v, g, beta)
+    dk, dv, dbeta, dg = _final_state_bwd(k, v, beta, gc, w, u, tinv, None, dS)
+    zero_values = torch.zeros(B, T, Hv, K, device=k.device, dtype=k.dtype)  # also M's u = Tinv(beta 0)
+    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, Hv, K, K).contiguous()
+    dk_m, _, dbeta_m, dg_m = _final_state_bwd(k, zero_values, beta, gc, w, zero_values, tinv, eye, dM)
+    return (_sum_groups(dk + dk_m, Hk).to(k_grad_dtype or k.dtype), dv, (dg + dg_m).to(g.dtype), (dbeta + dbeta_m).to(beta.dtype))
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm

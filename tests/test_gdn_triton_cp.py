@@ -1,0 +1,278 @@
+"""The `triton` backend of the GDN CP wrappers (Ulysses, State-P2P) against the eager CP=1 reference.
+
+On a CPU machine the Triton kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set here
+before `cpcompile.kernels.triton_gdn` is first imported; the forked ranks inherit it, and each
+rank checks that its kernels really are interpreted) at a tiny shape. With CUDA the `gpu` set
+runs bf16 at T = 4K per rank: the layer-level ops on one GPU, CP on two (NCCL).
+"""
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+if not HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest.importorskip("triton")
+
+from cp_harness import rel  # noqa: E402
+from dist_utils import run_distributed  # noqa: E402
+from gdn_harness import LayerHolder, gdn_plan  # noqa: E402
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests (TRITON_INTERPRET=1, no CUDA)")
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not HAS_CUDA or INTERPRET, reason="needs CUDA (and no TRITON_INTERPRET)")
+needs_two_gpus = pytest.mark.skipif(
+    not HAS_CUDA or INTERPRET or torch.cuda.device_count() < 2 or not torch.distributed.is_nccl_available(),
+    reason="needs 2 CUDA devices with NCCL")
+
+CHUNK = 64  # the only chunk size the Triton kernels take
+# Tiny Qwen3.5 GDN layer the Triton kernels accept (head dims 16); grouped heads (2 K : 4 V).
+TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, linear_key_head_dim=16, linear_value_head_dim=16,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_conv_kernel_dim=4)
+# Qwen3.5's GDN head shape (K = V = 128, 2 V heads per K head), fewer heads.
+GPU_SIZE = dict(TINY, hidden_size=256, linear_key_head_dim=128, linear_value_head_dim=128,
+                linear_num_key_heads=2, linear_num_value_heads=4)
+TINY_LOCAL_LEN = 80  # P2P: one full chunk and a partial one per rank; Ulysses: 160 tokens = 2.5 chunks
+GPU_LOCAL_LEN = 4096
+
+
+def gdn_layer(config: dict, seed: int, dtype, device="cpu"):
+    from transformers import Qwen3_5TextConfig
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+    torch.manual_seed(seed)
+    return LayerHolder(Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**config), layer_idx=0)).to(device=device, dtype=dtype)
+
+
+def use_core(holder: LayerHolder, backend: str) -> LayerHolder:
+    """Run the layer through cpcompile's statement of it with the given core backend (CP=1)."""
+    import types
+
+    from cpcompile.models.qwen3_5 import gdn_layer_forward
+
+    def forward(self, hidden_states, attention_mask=None, **_):
+        return gdn_layer_forward(self, hidden_states, attention_mask, chunk_size=CHUNK, backend=backend)
+
+    holder.layer.forward = types.MethodType(forward, holder.layer)
+    return holder
+
+
+def _interpreted_kernels() -> bool:
+    from cpcompile.kernels.triton_gdn import kernels
+
+    return type(kernels.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"
+
+
+def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len: int, dtype, seed: int,
+                    device_type: str) -> dict:
+    """Layer output, input gradient and parameter gradients: CP (triton) vs CP=1 (eager)."""
+    import cpcompile
+
+    device = torch.device(device_type, rank if device_type == "cuda" else 0) if device_type == "cuda" else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(device)
+    batch, length, hidden_size = 2, local_len * world, config["hidden_size"]
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(batch, length, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    weight = torch.randn(batch, length, hidden_size, generator=gen).to(device=device, dtype=dtype)
+    block = slice(rank * local_len, (rank + 1) * local_len)
+
+    reference = use_core(gdn_layer(config, seed, dtype, device), "eager")
+    ref_in = hidden.clone().requires_grad_()
+    ref_out = reference(ref_in)
+    (ref_out * weight).sum().backward()
+
+    plan = cpcompile.load_plan(gdn_plan(world, method, match="layer", chunk_size=CHUNK, backend="triton"))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type=device_type)
+    local_in = hidden[:, block].clone().requires_grad_()
+    model = cpcompile.compile(gdn_layer(config, seed, dtype, device), mesh, plan, example_inputs=(local_in,))
+    out = model(local_in)
+    (out * weight[:, block]).sum().backward()
+    grads = {}
+    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
+        total = p.grad.clone()
+        torch.distributed.all_reduce(total)
+        grads[name] = rel(total, q.grad)
+    return {
+        "output": rel(out, ref_out[:, block]),
+        "input_grad": rel(local_in.grad, ref_in.grad[:, block]),
+        "grads": grads,
+        "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
+        "interpreted": _interpreted_kernels() if device_type == "cpu" else None,
+    }
+
+
+def _cpu_body(rank: int, world: int, seed: int) -> dict:
+    return {method: layer_cp_errors(rank, world, method, TINY, TINY_LOCAL_LEN, torch.float32, seed, "cpu")
+            for method in ("p2p", "ulysses")}
+
+
+def _worst(result: dict) -> float:
+    return max([result["output"], result["input_grad"], *result["grads"].values()])
+
+
+@cpu_only
+def test_cp_triton_matches_eager_reference_in_interpreter():
+    """P2P and Ulysses, 2 gloo ranks, fp32, every gradient within 1e-3 of the eager CP=1 run."""
+    results = run_distributed(_cpu_body, 2, random.randrange(1 << 30), timeout=300,
+                              env={"TRITON_INTERPRET": "1"})
+    for result in results:
+        for method, r in result.items():
+            assert r["interpreted"], "the ranks' Triton kernels were not built for the interpreter"
+            assert r["finite"], (method, r)
+            assert _worst(r) <= 1e-3, (method, r)
+
+
+# ----------------------------------------------------------------------------- the ops themselves
+
+
+def _op_inputs(B, T, Hk, Hv, K, V, dtype, device, seed):
+    """Inputs as the Qwen3.5 layer hands them to the core: q/k L2-normalised fp32, v/beta in the
+    model dtype, g fp32 (log decay)."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=gen), dim=-1)
+    k = torch.nn.functional.normalize(torch.randn(B, T, Hk, K, generator=gen), dim=-1)
+    v = torch.randn(B, T, Hv, V, generator=gen).to(dtype)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, T, Hv, generator=gen) + 2.0)
+    beta = torch.sigmoid(torch.randn(B, T, Hv, generator=gen)).to(dtype)
+    h0 = torch.randn(B, Hv, K, V, generator=gen)
+    return [x.to(device) for x in (q, k, v, g, beta, h0)]
+
+
+def _op_errors(B, T, Hk, Hv, K, V, dtype, device, seed) -> dict:
+    """gdn_chunk (with an initial state) and gdn_summary, forward and every gradient: triton vs
+    eager on the same inputs (the eager ops compute in fp32)."""
+    ops = torch.ops.cpcompile
+    inputs = _op_inputs(B, T, Hk, Hv, K, V, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    d_o = torch.randn(B, T, Hv, V, generator=gen).to(device)
+    d_m, d_s = torch.randn(B, Hv, K, K, generator=gen).to(device), torch.randn(B, Hv, K, V, generator=gen).to(device)
+    runs = {}
+    for backend in ("triton", "eager"):
+        leaves = [x.clone().requires_grad_() for x in inputs]
+        q, k, v, g, beta, h0 = leaves
+        o = ops.gdn_chunk(q, k, v, g, beta, h0, K ** -0.5, CHUNK, backend)
+        (o * d_o).sum().backward()
+        chunk_grads = [x.grad for x in leaves]
+        leaves = [x.clone().requires_grad_() for x in inputs[1:5]]
+        m, s = ops.gdn_summary(*leaves, CHUNK, backend)
+        ((m * d_m).sum() + (s * d_s).sum()).backward()
+        runs[backend] = dict(o=o, chunk_grads=chunk_grads, m=m, s=s, summary_grads=[x.grad for x in leaves],
+                             dtypes=[o.dtype, m.dtype, s.dtype, *(x.dtype for x in chunk_grads)])
+    t, e = runs["triton"], runs["eager"]
+    errors = {"o": rel(t["o"], e["o"]), "M": rel(t["m"], e["m"]), "S": rel(t["s"], e["s"])}
+    errors.update({f"chunk d{n}": rel(a, b) for n, a, b in zip(("q", "k", "v", "g", "beta", "h0"),
+                                                                t["chunk_grads"], e["chunk_grads"])})
+    errors.update({f"summary d{n}": rel(a, b) for n, a, b in zip(("k", "v", "g", "beta"),
+                                                                  t["summary_grads"], e["summary_grads"])})
+    assert t["dtypes"] == e["dtypes"], (t["dtypes"], e["dtypes"])
+    return errors
+
+
+@cpu_only
+@pytest.mark.parametrize("T", [100, 64])
+def test_triton_ops_match_eager(T):
+    errors = _op_errors(1, T, 1, 2, 16, 32, torch.float32, "cpu", seed=T)
+    assert max(errors.values()) <= 1e-4, errors
+
+
+@cpu_only
+def test_opcheck_triton_paths():
+    ops = torch.ops.cpcompile
+    q, k, v, g, beta, h0 = _op_inputs(1, 70, 1, 2, 16, 16, torch.float32, "cpu", seed=3)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    torch.library.opcheck(ops.gdn_chunk.default, (*leaves, 0.25, CHUNK, "triton"))
+    torch.library.opcheck(ops.gdn_chunk.default, (*leaves[:5], None, 0.25, CHUNK, "triton"))
+    torch.library.opcheck(ops.gdn_summary.default, (*leaves[1:5], CHUNK, "triton"))
+    det = [x.detach() for x in leaves]
+    d_o = torch.randn(1, 70, 2, 16)
+    torch.library.opcheck(ops.gdn_chunk_backward.default, (d_o, *det, 0.25, CHUNK, "triton"))
+    torch.library.opcheck(ops.gdn_chunk_backward.default, (d_o, *det[:5], None, 0.25, CHUNK, "triton"))
+    torch.library.opcheck(ops.gdn_summary_backward.default,
+                          (torch.randn(1, 2, 16, 16), torch.randn(1, 2, 16, 16), *det[1:5], CHUNK, "triton"))
+
+
+def test_triton_backend_without_interpreter_fails_at_compile():
+    """On a CPU machine (no CUDA device) without TRITON_INTERPRET, `compile` refuses the triton
+    backend, naming the capability; nothing falls back to eager."""
+    code = (
+        "import torch, cpcompile\n"
+        "from cpcompile.models.qwen3_5 import qwen3_5_gdn_p2p_cp_wrapper\n"
+        "from cpcompile.models.qwen3_5 import GdnRegion\n"
+        "import sys\n"
+        "try:\n"
+        "    GdnRegion(qwen3_5_gdn_p2p_cp_wrapper(backend='triton'))\n"
+        "except Exception as e:\n"
+        "    print(type(e).__name__, e); sys.exit(0)\n"
+        "sys.exit('no error')\n"
+    )
+    if HAS_CUDA:
+        pytest.skip("a CUDA device is visible: the device capability holds")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr[-2000:]
+    assert "GDNCapabilityError GDN triton backend: unsupported device" in res.stdout, res.stdout
+    assert "TRITON_INTERPRET=1" in res.stdout
+
+
+# ----------------------------------------------------------------------------- GPU set
+
+
+@gpu
+@needs_cuda
+def test_gpu_triton_ops_match_eager_bf16():
+    """gdn_chunk / gdn_summary forward and backward through Triton vs the eager ops (fp32 math)
+    at T = 4K, bf16 v/beta, Qwen3.5's head shape."""
+    errors = _op_errors(1, 4096, 2, 4, 128, 128, torch.bfloat16, "cuda", seed=1)
+    print("ops triton vs eager, T=4096 bf16:", {k: f"{v:.1e}" for k, v in errors.items()})
+    # M is a product of ~4K decays (near zero at this length): its relative error is not what the
+    # chain carries (M H + S); bounded loosely, every other quantity tightly
+    assert errors.pop("M") <= 5e-2
+    assert max(errors.values()) <= 2e-2, errors
+
+
+@gpu
+@needs_cuda
+def test_gpu_layer_triton_matches_eager_bf16():
+    """One GPU, CP=1: a bf16 Qwen3.5 GDN layer (T = 8K = 2 ranks x 4K) with the triton core vs the
+    eager core — the precision the CP test below asserts, on the machine that has one GPU."""
+    gen = torch.Generator().manual_seed(7)
+    hidden = torch.randn(2, 2 * GPU_LOCAL_LEN, GPU_SIZE["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
+    weight = torch.randn(hidden.shape, generator=gen).to("cuda", torch.bfloat16)
+    runs = {}
+    for backend in ("triton", "eager"):
+        model = use_core(gdn_layer(GPU_SIZE, 7, torch.bfloat16, "cuda"), backend)
+        x = hidden.clone().requires_grad_()
+        out = model(x)
+        (out * weight).sum().backward()
+        runs[backend] = (out, x.grad, {n: p.grad for n, p in model.named_parameters()})
+    (o_t, dx_t, g_t), (o_e, dx_e, g_e) = runs["triton"], runs["eager"]
+    errors = {"output": rel(o_t, o_e), "input_grad": rel(dx_t, dx_e), **{n: rel(g_t[n], g_e[n]) for n in g_e}}
+    print("layer triton vs eager, T=8192 bf16:", {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) <= 1e-2, errors
+
+
+def _gpu_body(rank: int, world: int, seed: int) -> dict:
+    return {method: layer_cp_errors(rank, world, method, GPU_SIZE, GPU_LOCAL_LEN, torch.bfloat16, seed, "cuda")
+            for method in ("p2p", "ulysses")}
+
+
+@gpu
+@needs_two_gpus
+def test_gpu_cp_triton_matches_eager_reference_bf16():
+    results = run_distributed(_gpu_body, 2, random.randrange(1 << 30), timeout=600, backend="nccl",
+                              start_method="spawn")
+    for result in results:
+        for method, r in result.items():
+            assert r["finite"], (method, r)
+            assert _worst(r) <= 1e-2, (method, r)
