@@ -90,7 +90,17 @@ def _grads_by_recompute(fn, inputs: list[Tensor | None], grad_outputs: list[Tens
     _, vjp = torch.func.vjp(of_present, *(inputs[i] for i in present))
     outputs = tuple(grad_outputs)
     grads = iter(vjp(outputs if len(outputs) > 1 else outputs[0]))
-    return [next(grads) if x is not None else torch.empty(0) for x in inputs]
+    return [next(grads) if x is not None else grad_outputs[0].new_empty(0) for x in inputs]
+
+
+def _contiguous(grads: list[Tensor]) -> list[Tensor]:
+    """Backward ops promise contiguous gradients (their fake implementations say so), so that
+    a compiled backward may view them freely whatever layout the kernels produced."""
+    return [g.contiguous() for g in grads]
+
+
+def _like(x: Tensor) -> Tensor:
+    return x.new_empty(x.shape)
 
 
 # --------------------------------------------------------------------------- gdn_chunk
@@ -114,19 +124,18 @@ def gdn_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Ten
                        initial_state: Tensor | None, scale: float, chunk_size: int,
                        backend: str) -> list[Tensor]:
     if backend == "triton":
-        return _triton().chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size)
+        return _contiguous(_triton().chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size))
 
     def forward(q, k, v, g, beta, h0):
         return _chunk(q, k, v, g, beta, h0, scale, chunk_size, backend)
 
-    return _grads_by_recompute(forward, [q, k, v, g, beta, initial_state], [grad_out])
+    return _contiguous(_grads_by_recompute(forward, [q, k, v, g, beta, initial_state], [grad_out]))
 
 
 @gdn_chunk_backward.register_fake
 def _(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size, backend):
-    like = [q, k, v, g, beta]
-    state = torch.empty_like(initial_state) if initial_state is not None else q.new_empty(0)
-    return [torch.empty_like(x) for x in like] + [state]
+    state = _like(initial_state) if initial_state is not None else grad_out.new_empty(0)
+    return [_like(x) for x in (q, k, v, g, beta)] + [state]
 
 
 def _chunk_setup(ctx, inputs, output):
@@ -171,17 +180,17 @@ def _(k, v, g, beta, chunk_size, backend):
 def gdn_summary_backward(grad_m: Tensor, grad_s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          chunk_size: int, backend: str) -> list[Tensor]:
     if backend == "triton":
-        return _triton().summary_backward(grad_m, grad_s, k, v, g, beta, chunk_size)
+        return _contiguous(_triton().summary_backward(grad_m, grad_s, k, v, g, beta, chunk_size))
 
     def forward(k, v, g, beta):
         return _summary(k, v, g, beta, chunk_size, backend)
 
-    return _grads_by_recompute(forward, [k, v, g, beta], [grad_m, grad_s])
+    return _contiguous(_grads_by_recompute(forward, [k, v, g, beta], [grad_m, grad_s]))
 
 
 @gdn_summary_backward.register_fake
 def _(grad_m, grad_s, k, v, g, beta, chunk_size, backend):
-    return [torch.empty_like(x) for x in (k, v, g, beta)]
+    return [_like(x) for x in (k, v, g, beta)]
 
 
 def _summary_setup(ctx, inputs, output):

@@ -21,7 +21,7 @@ LOCAL_LEN = 12  # chunk 8: one full chunk and a partial one per rank
 _results: dict = {}
 
 
-def _model_errors(rank: int, world: int, make, method: str, seed: int, dtype) -> dict:
+def _model_errors(rank: int, world: int, make, method: str, seed: int, dtype, backend: str | None = None) -> dict:
     import cpcompile
 
     batch = random_batch(seed, 2, LOCAL_LEN * world, padded=True)
@@ -32,7 +32,7 @@ def _model_errors(rank: int, world: int, make, method: str, seed: int, dtype) ->
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     local = cpcompile.shard_batch(batch, mesh, plan)
     model = cpcompile.compile(make(seed, dtype), mesh, plan, example_inputs=local)
-    out = model(**local)
+    out = (torch.compile(model, backend=backend) if backend else model)(**local)
     out.loss.backward()
     cpcompile.all_reduce_gradients(model, mesh)
     loss = out.loss.detach().clone()
@@ -59,6 +59,10 @@ def _run_all(rank: int, world: int, seed: int) -> dict:
     out["model", "p2p"] = _model_errors(rank, world, tiny_qwen3_5, "p2p", seed + 3, torch.float64)
     out["vl_model", "p2p"] = _model_errors(rank, world, tiny_qwen3_5_vl, "p2p", seed + 4, torch.float64)
     out["model_fp32", "ulysses"] = _model_errors(rank, world, tiny_qwen3_5, "ulysses", seed + 5, torch.float32)
+    if world == 2:
+        for method in METHODS:
+            out["aot_eager", method] = _model_errors(rank, world, tiny_qwen3_5, method, seed + 6, torch.float64,
+                                                     backend="aot_eager")
     return out
 
 
@@ -122,3 +126,9 @@ def test_qwen3_5_fp32_with_ulysses(world):
         r = dict(r, grads={n: v for n, v in r["grads"].items() if not n.endswith(("A_log", "dt_bias", "in_proj_a.weight"))})
         assert_equivalent(r)
         assert max(decay) <= 1e-2
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_qwen3_5_under_torch_compile(method):
+    for result in results_for(2):
+        assert_equivalent(result["aot_eager", method], tol=1e-6)
