@@ -21,9 +21,10 @@ from ..context import PassContext
 from .find_cores import SdpaMatch
 from .graph_utils import Emitter, evaluate_node, val
 from .sdpa_all_gather import check_self_attention
+from .sdpa_masks import CAUSAL, classify_local_mask
 from .sequence_ops import (
-    all_gather_sequence, all_valid_keys, emit_attention, gathered_key_valid, local_key_validity, note_once,
-    replace_core, visible_keys,
+    all_gather_sequence, all_valid_keys, emit_attention, gathered_key_valid, mask_row, note_once, replace_core,
+    visible_keys,
 )
 
 aten = torch.ops.aten
@@ -91,17 +92,27 @@ def prefix(emit: Emitter, x: fx.Node, seq_dim: int, length: int) -> fx.Node:
 
 def head_tail_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext,
                            chunk: int) -> tuple[bool, fx.Node]:
-    """As `local_key_validity`, also accepting the mask HF builds for Head-Tail positions.
+    """Whether the core is causal and its local key validity `[B, 1, 2c]`, read so that one
+    graph is right for both masks Hugging Face builds for Head-Tail positions.
 
-    Without a 2-D padding mask, Hugging Face reads the jump in position ids between the two
-    local chunks as two packed sequences and masks each chunk causally on its own. That mask
-    still says every key is valid (the last query of each chunk sees all of its chunk's keys),
-    and the global causal mask below replaces it.
+    With a 2-D padding mask HF passes causal∧key-valid (over the local order); without one it
+    reads the jump in position ids between the two local chunks as two packed sequences and
+    masks each chunk causally on its own. In both, the last query row of each chunk sees every
+    key of that chunk, so validity is taken from those two rows — the same graph stays correct
+    whichever mask a later call brings. Any other mask is refused when the region is traced.
     """
-    if match.attn_mask is not None and is_chunkwise_causal(evaluate_node(gm, match.attn_mask, ctx.example_inputs), chunk):
+    if match.attn_mask is None:
+        if not match.is_causal:
+            raise ValueError(f"{ctx.fqn}: Head-Tail load balance needs causal attention")
         query = val(match.query)
         return True, all_valid_keys(emit, query.shape[0], query.shape[SEQ_DIM], query.device)
-    return local_key_validity(emit, gm, match, ctx)
+    local_mask = evaluate_node(gm, match.attn_mask, ctx.example_inputs)
+    if not is_chunkwise_causal(local_mask, chunk) and classify_local_mask(local_mask, ctx.fqn) != CAUSAL:
+        raise ValueError(f"{ctx.fqn}: Head-Tail load balance needs causal attention; the mask is key-padding only")
+    head_row, tail_row = mask_row(emit, match.attn_mask, chunk - 1), mask_row(emit, match.attn_mask, 2 * chunk - 1)
+    head_keys = emit(aten.slice.Tensor, head_row, 2, 0, chunk)
+    tail_keys = emit(aten.slice.Tensor, tail_row, 2, chunk, 2 * chunk)
+    return True, emit(aten.cat.default, [head_keys, tail_keys], 2)
 
 
 def is_chunkwise_causal(mask: torch.Tensor, chunk: int) -> bool:
