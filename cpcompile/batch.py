@@ -5,8 +5,8 @@ slicing, so no rank ever has to guess what lies beyond its own slice:
 
 1. validate keys (packed/varlen metadata, inference cache and unknown tensors are refused);
 2. global ``position_ids`` (created as ``arange(S)`` when absent);
-3. global next-token targets ``shift_labels`` (``labels[:, 1:]`` + one ``-100``), with every
-   target that touches padding set to ``-100``, and ``num_items_in_batch`` = global target count;
+3. global next-token targets ``shift_labels`` (``labels[:, 1:]`` + one ``-100``; labels are
+   taken as given, as Hugging Face does at CP=1), and ``num_items_in_batch`` = global target count;
 4. right padding to the layout's multiple (only with ``pad=True``);
 5. slicing along the sequence by the method's layout (contiguous or Head-Tail).
 

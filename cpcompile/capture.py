@@ -79,7 +79,10 @@ def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module])
     """One real forward (no grad) recording region inputs and where each core runs."""
     result = ProbeResult()
     stack: list[str] = []
-    with torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), _record_first_inputs(regions, result.inputs):
+    # forked RNG: the probe must not change the random stream the user's training sees
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=cuda), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
+            _record_first_inputs(regions, result.inputs):
         with _RecordSdpaCalls(stack, result.core_sites):
             if isinstance(example, dict):
                 model(**example)

@@ -17,7 +17,7 @@ from .errors import PlanError
 from .models import region_for
 from .passes import run_passes
 from .plan import Override, load_plan
-from .region import RegionProgram, signature_key
+from .region import RegionProgram, flatten_call
 
 log = logging.getLogger("cpcompile")
 
@@ -39,8 +39,10 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
 
     `example_inputs` is one *local* batch as this rank will feed the model (a dict of
     keyword arguments, or a tuple of positional ones); for a Hugging Face model it may be
-    omitted and a small batch of token ids is used. Every check runs before any module is
-    changed: on error the model is left as it was.
+    omitted and a small batch of token ids is used (pass the real shapes to avoid tracing
+    twice). Every check runs before any module is changed: on error the model's modules are
+    left as they were (sub-groups a method needs may already have been created; the probe
+    forward runs without gradients on a forked random stream).
     """
     plan = load_plan(plan)
     if plan.cp_size != mesh.cp_size:
@@ -134,7 +136,8 @@ def default_example(model: nn.Module) -> dict:
     if get_embeddings is None:
         raise ValueError("pass example_inputs=: cpcompile can only make an example batch for Hugging Face models")
     embeddings = get_embeddings()
-    ids = torch.randint(0, embeddings.num_embeddings, (1, PROBE_LENGTH), device=embeddings.weight.device)
+    ids = torch.randint(0, embeddings.num_embeddings, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(embeddings.weight.device)
     return {"input_ids": ids, "use_cache": False}
 
 
@@ -160,17 +163,23 @@ class InstalledRegion:
 
     def __call__(self, *args, **kwargs):
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
-        program = self.programs.get(signature_key(args, kwargs))
+        leaves, key = flatten_call(self.target.fqn, args, kwargs)
+        program = self.programs.get(key)
         if program is None:
             program = self._build(args, kwargs)
-        return program(self.target.module, args, kwargs)
+        return program(leaves)
 
     @torch.compiler.disable
     def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
         """Trace, rewrite and cache the region for a call signature (args already prepared)."""
         target = self.target
+        leaves, key = flatten_call(target.fqn, args, kwargs)
+        if self.programs:
+            log.info("cpcompile: %s traced again for a new input signature (%d so far)", target.fqn, len(self.programs))
         ep = trace_region(target.module, self.region.forward, args, kwargs)
-        program = RegionProgram.from_export(ep, ep.graph_module)
+        if ep.call_spec.in_spec != key[0]:
+            raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
+        program = RegionProgram.from_export(ep, target.module)
         ctx = PassContext(
             fqn=target.fqn,
             method=target.override.method,
@@ -178,12 +187,12 @@ class InstalledRegion:
             cp_rank=self.mesh.cp_rank,
             group_name=self.mesh.cp_group_name,
             mesh=self.mesh,
-            example_inputs=program.flat_inputs(target.module, args, kwargs),
+            example_inputs=program.flat_inputs(leaves),
         )
         variant = len(self.programs)
         observer = self.dump.pass_observer(target.fqn, variant) if self.dump else None
         program.gm = run_passes(program.gm, ctx, on_pass=observer)
         if self.dump:
             self.dump.add_region(ctx, program.gm, variant, backend=target.override.method.params.get("backend", "-"))
-        self.programs[signature_key(args, kwargs)] = program
+        self.programs[key] = program
         return program

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -12,67 +12,58 @@ from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
 
+# Non-tensor call arguments a traced graph may be specialised on (by value).
+PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
-def signature_key(args: tuple, kwargs: dict) -> tuple:
-    """What a traced graph is specialised on: structure, tensor metadata, other values."""
-    leaves, spec = pytree.tree_flatten((args, kwargs))
 
-    def describe(leaf: Any) -> Any:
+def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
+    """The call's leaves, and the key a traced graph is specialised on: the structure, each
+    tensor's shape/dtype/device and each other leaf's value. Anything else cannot be keyed
+    reliably, so it is refused rather than traced again on every call."""
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    described = []
+    for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
-            return ("tensor", tuple(leaf.shape), leaf.dtype, leaf.device)
-        return (type(leaf).__name__, leaf if isinstance(leaf, (int, float, bool, str, type(None))) else id(leaf))
-
-    return (spec, tuple(describe(leaf) for leaf in leaves))
+            described.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
+        elif isinstance(leaf, PLAIN_VALUES):
+            described.append((type(leaf).__name__, leaf))
+        else:
+            raise TypeError(f"{fqn}: a CP region cannot take an argument of type {type(leaf).__name__}; "
+                            "pass tensors and plain values (int, float, bool, str, None)")
+    return leaves, (spec, tuple(described))
 
 
 @dataclass
 class RegionProgram:
     """A rewritten graph plus what it takes to call it with the live module's state.
 
-    `state` lists, for each leading placeholder, where its value lives at call time
-    (("param" | "buffer", name) or ("constant", tensor)), so parameters are read from the
-    module on every call — a later FSDP2 `fully_shard` swapping them still works.
+    `state` lists, for each leading placeholder, where its value lives at call time: an
+    (owning submodule, attribute name) pair read on every call — so a later FSDP2
+    `fully_shard`, which swaps parameters on their modules, still works — or a constant.
     """
 
     gm: fx.GraphModule
-    state: list[tuple[str, Any]]
-    in_spec: pytree.TreeSpec
+    state: list[tuple[nn.Module, str] | torch.Tensor]
     out_spec: pytree.TreeSpec
 
     @classmethod
-    def from_export(cls, ep: torch.export.ExportedProgram, gm: fx.GraphModule) -> "RegionProgram":
+    def from_export(cls, ep: torch.export.ExportedProgram, module: nn.Module) -> "RegionProgram":
         state = []
         for spec in ep.graph_signature.input_specs:
             if spec.kind == InputKind.USER_INPUT:
                 continue
-            name = spec.target[len(PREFIX):] if spec.target and spec.target.startswith(PREFIX) else spec.target
-            if spec.kind == InputKind.PARAMETER:
-                state.append(("param", name))
-            elif spec.kind == InputKind.BUFFER:
-                state.append(("buffer", name))
+            if spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
+                owner, _, attr = spec.target[len(PREFIX):].rpartition(".")
+                state.append((module.get_submodule(owner), attr))
             elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
-                state.append(("constant", ep.constants[spec.target]))
+                state.append(ep.constants[spec.target])
             else:
                 raise NotImplementedError(f"unsupported exported input kind {spec.kind}")
-        return cls(gm, state, ep.call_spec.in_spec, ep.call_spec.out_spec)
+        return cls(ep.graph_module, state, ep.call_spec.out_spec)
 
-    def flat_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> list[Any]:
-        leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
-        if spec != self.in_spec:
-            raise RuntimeError(f"region called with input structure {spec}, traced with {self.in_spec}")
-        return [self._state_value(module, kind, ref) for kind, ref in self.state] + leaves
+    def flat_inputs(self, leaves: list[Any]) -> list[Any]:
+        live = [getattr(*ref) if isinstance(ref, tuple) else ref for ref in self.state]
+        return live + list(leaves)
 
-    @staticmethod
-    def _state_value(module: nn.Module, kind: str, ref: Any) -> Any:
-        if kind == "param":
-            return module.get_parameter(ref)
-        if kind == "buffer":
-            return module.get_buffer(ref)
-        return ref
-
-    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
-        out = self.gm(*self.flat_inputs(module, args, kwargs))
-        return pytree.tree_unflatten(out, self.out_spec)
-
-
-RegionBuilder = Callable[[tuple, dict], RegionProgram]
+    def __call__(self, leaves: list[Any]) -> Any:
+        return pytree.tree_unflatten(self.gm(*self.flat_inputs(leaves)), self.out_spec)

@@ -16,8 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .. import gdn_ops  # noqa: F401  (registers the cpcompile:: ops)
-from ..gdn_ops import check_backend, require_backend
+from ..gdn_ops import check_backend, require_backend  # also registers the cpcompile:: ops
 from ..methods import CONTIGUOUS, CPMethod
 from ..registry import inner_wrapper
 
@@ -113,7 +112,12 @@ class GdnRegion:
             if kwargs.get(name) is not None:
                 raise ValueError(f"{fqn}: called with {name}; packed / varlen inputs are not supported by GDN "
                                  "context parallelism")
+        if len(args) > 1 and args[1] is not None:  # (hidden_states, cache, attention_mask) in transformers 5.x
+            raise ValueError(f"{fqn}: called with a cache argument; GDN context parallelism does not support an "
+                             "inference cache or incremental decoding (use_cache=False)")
         hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError(f"{fqn}: a GDN layer call needs hidden_states as a tensor, got {type(hidden).__name__}")
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
         if mask is not None and mask.dim() != 2:
             raise ValueError(f"{fqn}: GDN layers take a 2-D padding mask, got shape {tuple(mask.shape)}")

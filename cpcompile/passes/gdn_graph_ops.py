@@ -34,7 +34,11 @@ def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: 
     launch = emit(C.ALL_TO_ALL, payload, recv_splits, send_splits, ctx.group_name)
     received = emit(C.WAIT, launch)
     record_collective(ctx, C.ALL_TO_ALL, purpose, launch, received, cp_group(ctx))
-    return received if rank > 0 else emit(aten.mul.Scalar, received, 0)
+    if rank > 0:
+        return received
+    # zeros that still depend on `received` (so its backward runs), without 0·inf = NaN
+    no = emit(aten.zeros.default, [], dtype=torch.bool, device=val(received).device)
+    return emit(aten.where.ScalarOther, no, received, 0.0)
 
 
 def seq_to_heads(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:
