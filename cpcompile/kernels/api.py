@@ -12,13 +12,6 @@ import torch
 from torch import Tensor
 
 BACKENDS = ("eager", "triton")
-_L2NORM_EPS = 1e-6
-
-
-def _l2norm(x: Tensor) -> Tensor:
-    """Normalise in fp32 (as transformers does), hand back the input dtype for the kernels."""
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + _L2NORM_EPS)).to(x.dtype)
 
 
 def chunk_gated_delta_rule(

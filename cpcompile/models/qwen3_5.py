@@ -95,8 +95,6 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class GdnRegion:
     """How cpcompile calls and traces a Qwen3.5 GDN layer under a GDN CP method."""
 
-    core = "gdn"
-
     def __init__(self, method: CPMethod):
         self.chunk_size = method.params["chunk_size"]
         self.backend = method.params["backend"]

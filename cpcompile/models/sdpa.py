@@ -9,8 +9,6 @@ CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 
 
 class SdpaRegion:
-    core = "sdpa"
-
     def prepare_call(self, fqn: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name in CACHE_KWARGS:
             if kwargs.get(name) is not None:

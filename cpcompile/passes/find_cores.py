@@ -41,9 +41,9 @@ class SdpaMatch:
         return self.key, self.value, self.enable_gqa
 
     def replace_with(self, *, key: fx.Node, value: fx.Node, attn_mask: fx.Node | None,
-                     is_causal: bool, enable_gqa: bool, query: fx.Node | None = None) -> None:
-        """Point this SDPA call at new inputs, keeping its other arguments."""
-        self.node.args = (query or self.query, key, value)
+                     is_causal: bool, enable_gqa: bool) -> None:
+        """Point this SDPA call at new K/V and mask, keeping the query and its other arguments."""
+        self.node.args = (self.query, key, value)
         self.node.kwargs = {
             "attn_mask": attn_mask,
             "dropout_p": self.dropout_p,

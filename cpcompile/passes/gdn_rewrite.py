@@ -19,6 +19,7 @@ from ..context import PassContext
 from .find_gdn import GdnMatch, find_gdn_cores
 from .gdn_graph_ops import apply_summary, gather_ranks, heads_to_seq, seq_to_heads, shift_to_next_rank, summary_parts
 from .graph_utils import Emitter, val
+from .sequence_ops import note_once
 
 aten = torch.ops.aten
 GDN_SUMMARY = torch.ops.cpcompile.gdn_summary.default
@@ -56,7 +57,7 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> Non
     received = shift_to_next_rank(emit, ctx, rows, purpose=f"conv halo ({match.halo} tokens from rank r-1)")
     halo = emit(aten.permute.default, received, [1, 2, 0])
     match.replace_pad_with(emit(aten.cat.default, [halo, x], 2))
-    ctx.notes.append(f"conv halo: {match.halo} tokens from rank r-1 (zeros on rank 0)")
+    note_once(ctx, f"conv halo: {match.halo} tokens from rank r-1 (zeros on rank 0)")
 
 
 def rewrite_ulysses(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
@@ -97,7 +98,7 @@ def rewrite_p2p(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
         received = shift_to_next_rank(emit, ctx, rows, purpose=f"state chain step {step + 1}/{ctx.cp_size - 1}")
         state = emit(aten.squeeze.dim, received, 0)
     match.replace_core_with(gm, match.emit_core(emit, *match.inputs, initial_state=state))
-    ctx.notes.append(f"state chain: {ctx.cp_size - 1} pass-to-next steps of fp32 M.H+S")
+    note_once(ctx, f"state chain: {ctx.cp_size - 1} pass-to-next steps of fp32 M.H+S")
 
 
 def rewrite_all_gather(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
@@ -112,7 +113,7 @@ def rewrite_all_gather(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) ->
         prefixes.append(apply_summary(emit, m_i, s_i, prefixes[-1]))
     state = emit(aten.select.int, emit(aten.stack.default, prefixes), 0, ctx.cp_rank)
     match.replace_core_with(gm, match.emit_core(emit, *match.inputs, initial_state=state))
-    ctx.notes.append("state prefix: ranks 0..r-1 composed in rank order")
+    note_once(ctx, "state prefix: ranks 0..r-1 composed in rank order")
 
 
 GDN_REWRITES = {"ulysses": rewrite_ulysses, "p2p": rewrite_p2p, "all_gather": rewrite_all_gather}
