@@ -32,6 +32,13 @@ sys.path.insert(0, ROOT)
 B, HK, HV, DK, DV = 1, 16, 32, 128, 128
 
 
+
+def _l2norm(x):
+    """q/k normalisation in eager PyTorch (fp32, back to the input dtype), for timing pieces."""
+    from cpcompile.kernels.gdn_eager import l2_normalize
+
+    return l2_normalize(x.float()).to(x.dtype)
+
 def make_inputs(T, *, seed=0, requires_grad=False, dtype=torch.bfloat16):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, T, HK, DK, device="cuda", generator=gen).to(dtype)
@@ -128,7 +135,6 @@ def bench_method(name, backend, run, T, warmup, repeat, rows, *, bwd=True):
 
 
 def bench_p2p(T, warmup, repeat, rows):
-    from cpcompile.kernels.api import _l2norm
     from cpcompile.kernels.triton_gdn import launch as L
 
     (q, k, v, g, beta), do = make_inputs(T)
@@ -239,7 +245,6 @@ def accuracy(T, methods):
 
 
 def kernel_breakdown(T, warmup, repeat):
-    from cpcompile.kernels.api import _l2norm
     from cpcompile.kernels.triton_gdn import launch as L
 
     (q, k, v, g, beta), do = make_inputs(T)
@@ -272,7 +277,6 @@ def kernel_breakdown(T, warmup, repeat):
 def api_overhead(T, warmup, repeat):
     """Where the API forward's time goes: q/k L2 norm, the custom op, the bare launches."""
     from cpcompile.kernels import chunk_gated_delta_rule
-    from cpcompile.kernels.api import _l2norm
     from cpcompile.kernels.triton_gdn import launch as L
 
     (q, k, v, g, beta), _ = make_inputs(T)
@@ -290,7 +294,6 @@ def api_overhead(T, warmup, repeat):
 
 def ablation(T, warmup, repeat):
     """Time variants that leave a stage out (results are wrong on purpose; timing only)."""
-    from cpcompile.kernels.api import _l2norm
     from cpcompile.kernels.triton_gdn import kernels as K_
     from cpcompile.kernels.triton_gdn import launch as L
 
