@@ -189,3 +189,30 @@ def output_errors(got: dict, want: dict) -> dict:
     grads = {n: rel(got["grads"][n], g) for n, g in want["grads"].items() if n in got["grads"]}
     return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]),
             "grads": max(grads.values()), "missing_grads": missing}
+
+
+class QKVAttention(torch.nn.Module):
+    """A core-attention module in the `sdpa_qkv` style: forward(q, k, v) → causal SDPA."""
+
+    def forward(self, q, k, v):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class QKVHolder(torch.nn.Module):
+    """A model whose only module is `core`, a `QKVAttention`."""
+
+    def __init__(self):
+        super().__init__()
+        self.core = QKVAttention()
+
+    def forward(self, q, k, v):
+        return self.core(q, k, v)
+
+
+def assert_fails_with(name: str, outcome, error: str, words) -> None:
+    """`outcome` is (exception class name, message) or None; it must be `error` naming `words`."""
+    assert outcome is not None, f"{name}: no error was raised"
+    kind, message = outcome
+    assert kind == error, f"{name}: {kind}: {message}"
+    for word in words:
+        assert word in message, f"{name}: {word!r} not in {message!r}"

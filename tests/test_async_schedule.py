@@ -14,27 +14,13 @@ import pytest
 
 import torch
 
-from cp_harness import ASYNC_METHODS, method_wrapper, random_batch, sdpa_plan, tiny_qwen3
+from cp_harness import ASYNC_METHODS, QKVHolder, method_wrapper, random_batch, sdpa_plan, tiny_qwen3
 from dist_utils import run_distributed
 
 WORLD = 4
 _results: list = []
 
 
-class QKVAttention(torch.nn.Module):
-    """forward(q, k, v) → SDPA: every input feeds a collective, nothing is left to overlap."""
-
-    def forward(self, q, k, v):
-        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
-class Holder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.core = QKVAttention()
-
-    def forward(self, q, k, v):
-        return self.core(q, k, v)
 
 
 def _region_schedule(gm, roles: dict) -> list[dict]:
@@ -115,7 +101,7 @@ def _no_overlap_outcome(mesh, method: str) -> tuple[str, str] | None:
     kv = torch.randn(1, 4, 4, 8)
     plan = sdpa_plan(WORLD, wrapper=method_wrapper(method, asynchronous=True), match="core")
     try:
-        cpcompile.compile(Holder(), mesh, plan, example_inputs=(q, kv, kv))
+        cpcompile.compile(QKVHolder(), mesh, plan, example_inputs=(q, kv, kv))
     except Exception as exc:  # asserted on in the parent
         return type(exc).__name__, str(exc)
     return None
