@@ -1,0 +1,9 @@
+"""Test session set-up. Without CUDA, Triton kernels run in Triton's CPU interpreter, which
+must be chosen before `cpcompile.kernels.triton_gdn` is first imported — so here, once, rather
+than in each test module (import order between modules is not fixed)."""
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
