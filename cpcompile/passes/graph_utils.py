@@ -52,16 +52,25 @@ def val(node: fx.Node) -> Any:
     return node.meta["val"]
 
 
-def ancestors(node: fx.Node) -> set[fx.Node]:
-    """All nodes `node` depends on, itself excluded."""
+def _reachable(start: list[fx.Node], step) -> set[fx.Node]:
     seen: set[fx.Node] = set()
-    stack = list(node.all_input_nodes)
+    stack = list(start)
     while stack:
         n = stack.pop()
         if n not in seen:
             seen.add(n)
-            stack.extend(n.all_input_nodes)
+            stack.extend(step(n))
     return seen
+
+
+def ancestors(node: fx.Node) -> set[fx.Node]:
+    """All nodes `node` depends on, itself excluded."""
+    return _reachable(node.all_input_nodes, lambda n: n.all_input_nodes)
+
+
+def descendants(node: fx.Node) -> set[fx.Node]:
+    """All nodes that depend on `node`, itself excluded."""
+    return _reachable(list(node.users), lambda n: n.users)
 
 
 def evaluate_node(gm: fx.GraphModule, target: fx.Node, flat_inputs: list[Any]) -> Any:

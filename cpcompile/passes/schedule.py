@@ -40,7 +40,7 @@ import torch.fx as fx
 from .. import collectives as C
 from ..context import PassContext
 from .checks import CORE_FINDERS
-from .graph_utils import ancestors
+from .graph_utils import ancestors, descendants
 
 # Static priority classes of ordinary nodes (rules 2, 4, 5, 6 of the module docstring; lower runs
 # first). Launches and waits are chosen outside this order: whether one may go depends on what
@@ -262,17 +262,6 @@ class _Scheduler:
 
 def priority_order(graph: fx.Graph, collectives: list[Collective]) -> list[fx.Node]:
     return _Scheduler(graph, collectives).run()
-
-
-def descendants(node: fx.Node) -> set[fx.Node]:
-    seen: set[fx.Node] = set()
-    stack = list(node.users)
-    while stack:
-        n = stack.pop()
-        if n not in seen:
-            seen.add(n)
-            stack.extend(n.users)
-    return seen
 
 
 def reorder_graph(graph: fx.Graph, order: list[fx.Node]) -> None:
