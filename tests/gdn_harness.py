@@ -118,7 +118,7 @@ def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: b
     (out * weight[:, block]).sum().backward()
     grads, grads_vs_truth, reference_vs_truth = {}, {}, {}
     for (name, p), q, t in zip(model.named_parameters(), ref_model.parameters(), truth_model.parameters()):
-        total = p.grad.clone()
+        total = p.grad.double()  # summed in high precision, as FSDP's fp32 reduce would
         torch.distributed.all_reduce(total)
         grads[name] = rel(total, q.grad)
         grads_vs_truth[name], reference_vs_truth[name] = rel(total, t.grad), rel(q.grad, t.grad)

@@ -105,10 +105,15 @@ def test_gdn_layer_float32(world, method):
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("method", METHODS)
 def test_gdn_layer_bfloat16(world, method):
+    """Output and input gradient within 1e-2 of the bf16 CP=1 run. Parameter gradients sum
+    bf16-rounded per-rank parts, so they are held to the float64 run instead: as close as the
+    bf16 CP=1 run is (which itself differs from it by 1e-2..6e-2 on random init)."""
     for result in results_for(world):
         r = result[method, "bfloat16"]
         assert r["finite"]
-        assert _worst(r) <= 1e-2, r
+        assert max(r["output"], r["input_grad"]) <= 1e-2, r
+        for name, err in r["grads_vs_truth"].items():
+            assert err <= 1.5 * r["reference_vs_truth"][name] + 1e-2, (name, r)
 
 
 @pytest.mark.parametrize("world", [2, 4])
