@@ -75,14 +75,40 @@ def _record_first_inputs(modules: dict[str, nn.Module], into: dict):
             h.remove()
 
 
+@contextmanager
+def _module_cores_stubbed(model: nn.Module):
+    """Module-type cores (GDN layers) answer the probe with zeros instead of running.
+
+    The probe needs only their call inputs, and their library forward may dispatch to kernels
+    that cannot run here (transformers sends Qwen3.5's GDN to fla-core when it is installed,
+    which fails on a CPU-only machine); cpcompile never runs that forward for a CP region.
+    """
+    stubbed = [m for m in model.modules() if core_module_kind(m) is not None]
+
+    def zeros_like_input(hidden_states=None, *args, **kwargs):
+        return torch.zeros_like(hidden_states if hidden_states is not None else kwargs["hidden_states"])
+
+    saved = {module: module.__dict__.get("forward") for module in stubbed}
+    for module in stubbed:
+        module.forward = zeros_like_input
+    try:
+        yield
+    finally:
+        for module, forward in saved.items():
+            if forward is None:
+                del module.forward
+            else:
+                module.forward = forward
+
+
 def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module]) -> ProbeResult:
-    """One real forward (no grad) recording region inputs and where each core runs."""
+    """One forward (no grad) recording region inputs and where each core runs."""
     result = ProbeResult()
     stack: list[str] = []
     # forked RNG: the probe must not change the random stream the user's training sees
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
-            _record_first_inputs(regions, result.inputs):
+            _record_first_inputs(regions, result.inputs), _module_cores_stubbed(model):
         with _RecordSdpaCalls(stack, result.core_sites):
             if isinstance(example, dict):
                 model(**example)

@@ -167,6 +167,21 @@ def _errors(rank: int, world: int) -> dict:
     record("bad_chunk", lambda: cpcompile.load_plan(
         {"plan_overrides": [{"match": "x", "when": "cp", "region_dispatch": False,
                              "inner_wrapper": dict(gdn_wrapper("p2p"), chunk_size=0)}]}))
+    def library_forward_never_runs():
+        from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
+
+        original = Qwen3_5GatedDeltaNet.forward
+
+        def crash(*args, **kwargs):  # what a kernel-hub dispatch that cannot run here would do
+            raise RuntimeError("library GDN forward ran")
+
+        Qwen3_5GatedDeltaNet.forward = crash
+        try:
+            compile_model(gdn_plan(2, "p2p", sdpa="sdpa_hf"))
+        finally:
+            Qwen3_5GatedDeltaNet.forward = original
+
+    record("library_forward_never_runs", library_forward_never_runs)
     plan1 = cpcompile.load_plan(gdn_plan(1, "p2p", sdpa="sdpa_hf"))
     model1 = tiny_qwen3_5(0)
     cpcompile.compile(model1, type("Cp1", (), {"cp_size": 1})(), plan1)
@@ -195,6 +210,12 @@ def errors():
 ])
 def test_gdn_fail_fast_rule(name, kind, words):
     assert_fails_with(name, errors()[name], kind, words)
+
+
+def test_compile_never_runs_the_library_gdn_forward():
+    """transformers may send Qwen3.5's GDN to kernels that cannot run here (fla-core on a CPU
+    machine); compile's probe and the CP regions use cpcompile's statement of the layer."""
+    assert errors()["library_forward_never_runs"] is None, errors()["library_forward_never_runs"]
 
 
 def test_gdn_cp1_leaves_the_model_untouched():
