@@ -73,28 +73,16 @@ def reference_run(make_model, batch: dict):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def compare_cp_run(make_model, batch: dict, plan: dict, *, compile_backend=None, dump_dir=None) -> dict:
+def compare_cp_run(make_model, batch: dict, plan: dict, *, compile_backend=None) -> dict:
     """Run CP on this rank and return relative errors against the CP=1 reference."""
     ref_logits, ref_loss, ref_grads = reference_run(make_model, batch)
-    plan = cpcompile.load_plan(plan)
-    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
-    local = cpcompile.shard_batch(batch, mesh, plan)
-    model = cpcompile.compile(make_model(), mesh, plan, dump_dir=dump_dir, example_inputs=local)
-    runner = torch.compile(model, backend=compile_backend) if compile_backend else model
-    out = runner(**local)
-    out.loss.backward()
-    cpcompile.all_reduce_gradients(model, mesh)
-    loss = out.loss.detach().clone()
-    torch.distributed.all_reduce(loss, group=mesh.cp_group)
-    logits = cpcompile.unshard(out.logits.detach(), mesh, plan)
-    grads = {n: p.grad for n, p in model.named_parameters()}
-    missing = sorted(set(ref_grads) - {n for n, g in grads.items() if g is not None})
+    got = cp_outputs(make_model, batch, plan, compile_backend=compile_backend)
     return {
-        "logits": rel(logits, ref_logits),
-        "loss": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
-        "grads": {n: rel(grads[n], ref_grads[n]) for n in ref_grads if grads.get(n) is not None},
-        "missing_grads": missing,
-        "compiled": hasattr(model.model.layers[0].self_attn, "_cpcompile_config"),
+        "logits": rel(got["logits"], ref_logits),
+        "loss": abs(got["loss"].item() - ref_loss.item()) / abs(ref_loss.item()),
+        "grads": {n: rel(got["grads"][n], g) for n, g in ref_grads.items() if n in got["grads"]},
+        "missing_grads": sorted(set(ref_grads) - set(got["grads"])),
+        "compiled": got["compiled"],
     }
 
 
@@ -180,6 +168,7 @@ def cp_outputs(make_model, batch: dict, plan: dict, *, compile_backend=None) -> 
         "logits": cpcompile.unshard(out.logits.detach(), mesh, plan),
         "loss": loss,
         "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
+        "compiled": any(hasattr(m, "_cpcompile_config") for m in model.modules()),
     }
 
 
@@ -216,3 +205,12 @@ def assert_fails_with(name: str, outcome, error: str, words) -> None:
     assert kind == error, f"{name}: {kind}: {message}"
     for word in words:
         assert word in message, f"{name}: {word!r} not in {message!r}"
+
+
+def outcome_of(fn):
+    """Run `fn`; return None, or (exception class name, message) for the parent to assert on."""
+    try:
+        fn()
+    except Exception as exc:
+        return type(exc).__name__, str(exc)
+    return None

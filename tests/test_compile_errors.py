@@ -8,20 +8,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_harness import QKVHolder, assert_fails_with, random_batch, sdpa_plan, tiny_qwen3
+from cp_harness import outcome_of, QKVHolder, assert_fails_with, random_batch, sdpa_plan, tiny_qwen3
 from dist_utils import run_distributed
 
 _outcomes: dict = {}
 
 
 
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # recorded, asserted on in the parent
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _all_checks(rank: int, world: int) -> dict:
@@ -89,11 +82,11 @@ def _all_checks(rank: int, world: int) -> dict:
         "cross_lengths": cross_lengths,
         "not_hf_without_example": not_hf_without_example,
     }
-    results = {name: _outcome(fn) for name, fn in checks.items()}
+    results = {name: outcome_of(fn) for name, fn in checks.items()}
 
     untouched = tiny_qwen3(0)
     plan1 = cpcompile.load_plan(sdpa_plan(1))
-    results["cp1_untouched"] = _outcome(
+    results["cp1_untouched"] = outcome_of(
         lambda: cpcompile.compile(untouched, _Cp1Mesh(), plan1)
     )
     results["cp1_forward_is_original"] = all("forward" not in vars(m) for m in untouched.modules())

@@ -10,19 +10,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_harness import HEAD_TAIL_WRAPPER, assert_fails_with, hybrid_wrapper, qwen3_with_heads, sdpa_plan
+from cp_harness import outcome_of, HEAD_TAIL_WRAPPER, assert_fails_with, hybrid_wrapper, qwen3_with_heads, sdpa_plan
 from dist_utils import run_distributed
 
 ULYSSES_DEGREE_GIVEN = {"_target_": "cpcompile.wrappers.sdpa_hf_ulysses_cp_wrapper", "ulysses_degree": 2}
 _outcomes: dict = {}
 
-
-def _outcome(fn):
-    try:
-        fn()
-    except Exception as exc:  # recorded, asserted on in the parent
-        return type(exc).__name__, str(exc)
-    return None
 
 
 def _plan(cp: int, wrapper) -> dict:
@@ -55,7 +48,7 @@ def _all_checks(rank: int, world: int) -> dict:
         "hybrid_cp_not_divisible": lambda: compile_with(4, hybrid_wrapper(3)),
         "head_tail_odd_local_length": lambda: compile_with(2, HEAD_TAIL_WRAPPER, length=5),
     }
-    results = {name: _outcome(fn) for name, fn in checks.items()}
+    results = {name: outcome_of(fn) for name, fn in checks.items()}
     dist.destroy_process_group()
     return results
 
