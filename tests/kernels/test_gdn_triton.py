@@ -114,7 +114,7 @@ def _p2p_run(q, k, v, g, beta, h0, do, dht, cuts, scale):
     for M, S, *_ in saved:  # the serial part: fp32 M @ H + S
         h_ins.append(h)
         h = chain_step(M, S, h)
-    outs = [ops.gdn_p2p_fwd_output(s(q), s(k), sv[2], sv[6], sv[7], hi if hi is not None else torch.zeros_like(sv[1]),
+    outs = [ops.gdn_p2p_fwd_output(s(q), s(k), *sv[2:5], sv[6], hi if hi is not None else torch.zeros_like(sv[1]),
                                    scale) for s, sv, hi in zip(sl, saved, h_ins)]
     dsum = [ops.gdn_p2p_bwd_summary(s(q), s(k), sv[3], sv[2], s(do), scale) for s, sv in zip(sl, saved)]
     d_outs, dh = [None] * len(segs), dht
@@ -149,9 +149,41 @@ def _check_p2p(B, T, Hk, Hv, K, V, dtype, cuts, *, seed, tol):
     assert _rel(saved[0][0], rm) < tol and _rel(saved[0][1], rs) < tol
 
 
+# every selectable State-P2P forward variant: chunks per stored summary state x output value block
+P2P_VARIANTS = [pytest.param(hs, bv, id=f"hs{hs}-bv{bv}") for hs in (1, 2, 16) for bv in (16, 32)]
+
+
+def _p2p_variant(monkeypatch, hstride, bv):
+    from cpcompile.kernels.triton_gdn import launch
+
+    monkeypatch.setattr(launch, "P2P_HSTRIDE", hstride)
+    monkeypatch.setattr(launch, "P2P_OUTPUT_BV", bv)
+
+
 @cpu_only
-def test_p2p_pieces_match_oracle():
-    _check_p2p(1, 160, 1, 2, 32, 32, torch.float32, [0, 40, 104, 160], seed=3, tol=1e-5)
+@pytest.mark.parametrize("hstride,bv", P2P_VARIANTS)
+def test_p2p_pieces_match_oracle(monkeypatch, hstride, bv):
+    _p2p_variant(monkeypatch, hstride, bv)
+    # segments of 2, 3 (one partial) and 1 (partial) chunks: full and ragged state groups
+    _check_p2p(1, 320, 1, 2, 32, 32, torch.float32, [0, 72, 264, 320], seed=3, tol=1e-5)
+
+
+@cpu_only
+def test_p2p_pieces_match_oracle_bf16(monkeypatch):
+    _p2p_variant(monkeypatch, 2, 16)
+    _check_p2p(1, 320, 1, 2, 32, 32, torch.bfloat16, [0, 72, 264, 320], seed=4, tol=3e-2)
+
+
+@cpu_only
+def test_p2p_output_rejects_other_hstride(monkeypatch):
+    from cpcompile.kernels.triton_gdn import launch
+
+    q, k, v, g, beta, state = _inputs(1, 256, 1, 1, 16, 16, torch.float32, seed=6, h0=True)
+    monkeypatch.setattr(launch, "P2P_HSTRIDE", 1)
+    _, _, saved = launch.p2p_fwd_summary(k, v, g, beta)
+    monkeypatch.setattr(launch, "P2P_HSTRIDE", 2)
+    with pytest.raises(ValueError, match="same setting"):
+        launch.p2p_fwd_output(q, k, saved, state, 0.25)
 
 
 @cpu_only
@@ -183,7 +215,7 @@ def test_opcheck_custom_ops():
     torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm_bwd.default, (x.detach(), rstd, torch.randn_like(y)))
     s = torch.ops.cpcompile.gdn_p2p_fwd_summary(*det[1:5])
     torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_summary.default, tuple(det[1:5]))
-    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_output.default, (det[0], det[1], s[2], s[6], s[7], det[5], 0.25))
+    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_output.default, (det[0], det[1], *s[2:5], s[6], det[5], 0.25))
     d = torch.ops.cpcompile.gdn_p2p_bwd_summary(det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25)
     torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_bwd_summary.default, (det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25))
     torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_bwd_finish.default,

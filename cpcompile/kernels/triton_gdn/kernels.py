@@ -15,9 +15,10 @@ value, ``E_ij = exp(gc_i - gc_j)``)::
 
 "Augmented" state passes (``NX > 0``) carry an identity block beside the state: columns
 ``[0, NX)`` start as ``I`` and receive no value input, so at every chunk they hold the product of
-the chunk transitions so far (forward: ``X_c``; backward: the transposed suffix product ``Y_c``).
+the chunk transitions so far (forward: ``P_c``; backward: the transposed suffix product ``Y_c``).
 The affine summary of the segment then falls out of the same sequential pass that computes the
-zero-state chunk states; no separate K x K scan is needed.
+zero-state chunk states; no separate K x K scan is needed. Given the incoming state ``H``, chunk
+c's true entering state is ``h0_c + P_c H``, and its updates follow from prepare's ``u``, ``w``.
 
 Every dot goes through ``_mm`` so that the CPU interpreter (whose bf16 dot is unreliable) can
 upcast operands to fp32; on a GPU, bf16 operands hit the tensor cores with fp32 accumulation.
@@ -172,16 +173,17 @@ def gdn_fwd_state_kernel(
     k, w, u, gc, h0, hbuf, vnbuf, ht,
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, HS: tl.constexpr, STORE_VN: tl.constexpr,
     USE_H0: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Sequential over chunks, parallel over (column block, batch*head).
 
     Column block ``i_v`` covers state columns ``[i_v*BV, +BV)`` of the ``NS = NX + V`` wide state.
-    Stores each chunk's entering state (``hbuf``), the updates ``vn`` (``vnbuf``) and the final
-    state (``ht``, fp32).
+    Stores the entering state of every ``HS``-th chunk (``hbuf[c // HS]``), with ``STORE_VN`` the
+    updates ``vn`` (``vnbuf``), and the final state (``ht``, fp32).
     """
     NS: tl.constexpr = NX + V
+    NG = (NT + HS - 1) // HS
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -197,16 +199,18 @@ def gdn_fwd_state_kernel(
             p_h0 = _mat_ptr(h0 + i_bh.to(tl.int64) * K * V, V, col0, K, BV)
             b_h = tl.load(p_h0).to(tl.float32)
 
-    st_base = hbuf + i_b.to(tl.int64) * NT * Hv * K * NS + i_h * K * NS
+    st_base = hbuf + i_b.to(tl.int64) * NG * Hv * K * NS + i_h * K * NS
     for i_t in range(NT):
-        p_hs = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
-        tl.store(p_hs, b_h.to(hbuf.dtype.element_ty))
+        if i_t % HS == 0:
+            p_hs = _mat_ptr(st_base + (i_t // HS) * (Hv * K * NS), NS, col0, K, BV)
+            tl.store(p_hs, b_h.to(hbuf.dtype.element_ty))
         b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
         b_vn = -_mm(b_w, b_h.to(b_w.dtype), PREC, UPCAST)
         if col0 >= NX:
             b_u = _tok_load(u, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV)
             b_vn += b_u.to(tl.float32)
-        _tok_store(vnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_vn.to(vnbuf.dtype.element_ty))
+        if STORE_VN:
+            _tok_store(vnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_vn.to(vnbuf.dtype.element_ty))
         b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
         b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
         # (D k)^T vn == k^T (D vn): scale the small [BT, BV] tile, feed k to the dot untouched
@@ -221,47 +225,90 @@ def gdn_fwd_state_kernel(
 
 
 @triton.jit
-def gdn_fwd_output_kernel(
-    q, k, gc, hbuf, vnbuf, hin, o, scale,
-    T, NT,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Per (value block, chunk, batch*head): ``o = scale (exp(gc) q h + lower_incl(E q k^T) vn)``.
-
-    With ``NX > 0`` the stored states/updates are those of a zero entering state plus the
-    transition products; the true ones are rebuilt here from the incoming state ``hin`` [B,Hv,K,V]:
-    ``h = h0 + X hin``, ``vn = vn0 + vnX hin`` (two extra dots, nothing else is recomputed).
-    """
-    NS: tl.constexpr = NX + V
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_b, i_h = i_bh // Hv, i_bh % Hv
-    i_hk = i_h // (Hv // Hk)
+def _chunk_output(b_q, b_k, b_h, b_vn, b_gc, scale, BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``scale (exp(gc) q h + lower_incl(E q k^T) vn)`` of one chunk; ``h``/``vn`` in the dot dtype."""
     o_i = tl.arange(0, BT)
-
-    b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
-    dt = b_q.dtype
-
-    st = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NS + i_h * K * NS
-    b_h = tl.load(_mat_ptr(st, NS, NX + i_v * BV, K, BV)).to(tl.float32)
-    b_vn = _tok_load(vnbuf, i_b, i_h, T, Hv, NS, i_t, NX + i_v * BV, BT, BV).to(tl.float32)
-    if NX > 0:
-        b_hin = tl.load(_mat_ptr(hin + i_bh.to(tl.int64) * K * V, V, i_v * BV, K, BV))
-        b_hin = b_hin.to(dt)
-        b_x = tl.load(_mat_ptr(st, NS, 0, K, NX))
-        b_h += _mm(b_x.to(dt), b_hin, PREC, UPCAST)
-        b_vx = _tok_load(vnbuf, i_b, i_h, T, Hv, NS, i_t, 0, BT, NX)
-        b_vn += _mm(b_vx.to(dt), b_hin, PREC, UPCAST)
-
     b_s = _mm(b_q, tl.trans(b_k), PREC, UPCAST)
     incl = o_i[:, None] >= o_i[None, :]
     b_s = tl.where(incl, b_s * tl.exp(tl.where(incl, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
-    b_o = _mm(b_q, b_h.to(dt), PREC, UPCAST) * tl.exp(b_gc)[:, None]
-    b_o += _mm(b_s.to(dt), b_vn.to(dt), PREC, UPCAST)
-    b_o *= scale
+    b_o = _mm(b_q, b_h, PREC, UPCAST) * tl.exp(b_gc)[:, None]
+    b_o += _mm(b_s.to(b_q.dtype), b_vn, PREC, UPCAST)
+    return b_o * scale
+
+
+@triton.jit
+def gdn_fwd_output_kernel(
+    q, k, gc, hbuf, vnbuf, o, scale,
+    T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Per (value block, chunk, batch*head), from a plain state pass's per-chunk states/updates."""
+    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    st = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * V + i_h * K * V
+    b_h = tl.load(_mat_ptr(st, V, i_v * BV, K, BV))
+    b_vn = _tok_load(vnbuf, i_b, i_h, T, Hv, V, i_t, i_v * BV, BT, BV)
+    b_o = _chunk_output(b_q, b_k, b_h.to(b_q.dtype), b_vn.to(b_q.dtype), b_gc, scale, BT, PREC, UPCAST)
     _tok_store(o, i_b, i_h, T, Hv, V, i_t, i_v * BV, BT, BV, b_o.to(o.dtype.element_ty))
+
+
+@triton.jit
+def _p2p_chunk(q, k, w, u, gc, o, b_h, scale, T, i_b, i_h, i_hk, i_t, c0,
+               Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr,
+               BV: tl.constexpr, STEP: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Output of chunk ``i_t`` entered with state ``b_h`` (fp32 [K, BV]); -> the leaving state if ``STEP``."""
+    b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+    b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
+    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    dt = b_q.dtype
+    b_hc = b_h.to(dt)
+    b_vn = _tok_load(u, i_b, i_h, T, Hv, V, i_t, c0, BT, BV).to(tl.float32) - _mm(b_w, b_hc, PREC, UPCAST)
+    b_o = _chunk_output(b_q, b_k, b_hc, b_vn.to(dt), b_gc, scale, BT, PREC, UPCAST)
+    _tok_store(o, i_b, i_h, T, Hv, V, i_t, c0, BT, BV, b_o.to(o.dtype.element_ty))
+    if STEP:
+        b_vd = b_vn * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
+        b_h = b_h * tl.exp(b_gl) + _mm(tl.trans(b_k), b_vd.to(dt), PREC, UPCAST)
+    return b_h
+
+
+@triton.jit
+def gdn_p2p_output_kernel(
+    q, k, w, u, gc, hbuf, hin, o, scale,
+    T, NT,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    HS: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """Output of a segment from its incoming state ``hin`` [B,Hv,K,V] and the augmented summary's
+    stored entering states ``hbuf = [P | h0]`` of every ``HS``-th chunk.
+
+    Per (value block, group of HS chunks, batch*head): the group's entering state is rebuilt once,
+    ``h = h0 + P hin``; each chunk then takes its updates from prepare's outputs, ``vn = u - w h``
+    (so the summary stores no updates), and ``h`` steps through the chunk to the next one of the
+    group (``HS > 1``: one state dot per chunk buys HS times fewer stored and read states).
+    """
+    NS: tl.constexpr = K + V
+    NG = (NT + HS - 1) // HS
+    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    i_hk = i_h // (Hv // Hk)
+    c0 = i_v * BV
+
+    st = hbuf + ((i_b.to(tl.int64) * NG + i_s) * Hv + i_h) * K * NS
+    b_p = tl.load(_mat_ptr(st, NS, 0, K, K))
+    dt = b_p.dtype
+    b_hin = tl.load(_mat_ptr(hin + i_bh.to(tl.int64) * K * V, V, c0, K, BV)).to(dt)
+    b_h = tl.load(_mat_ptr(st, NS, K + c0, K, BV)).to(tl.float32) + _mm(b_p, b_hin, PREC, UPCAST)
+
+    # the group's last chunk steps the state too (wasted, 1 in HS): a branch around it measured slower
+    for i_t in range(i_s * HS, tl.minimum(i_s * HS + HS, NT)):
+        b_h = _p2p_chunk(q, k, w, u, gc, o, b_h, scale, T, i_b, i_h, i_hk, i_t, c0,
+                         Hk, Hv, K, V, BT, BV, HS > 1, PREC, UPCAST)
 
 
 # ----------------------------------------------------------------------------- backward

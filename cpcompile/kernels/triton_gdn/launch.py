@@ -20,8 +20,9 @@ from .chain import chain_grad_step, chain_step  # noqa: F401  (re-exported)
 CHUNK = 64
 
 # num_warps / num_stages per kernel (tuned on an H200, see benchmarks/); benchmarks may override.
-NUM_WARPS = {"prepare": 4, "state": 8, "output": 4, "dv_local": 4, "bwd_state": 4, "inter": 8, "bwd_wy": 8, "bwd_tri": 4}
-NUM_STAGES = {"state": 3, "bwd_state": 3, "inter": 3}
+NUM_WARPS = {"prepare": 4, "state": 8, "state_aug": 4, "output": 4, "p2p_output": 4, "dv_local": 4, "bwd_state": 4,
+             "inter": 8, "bwd_wy": 8, "bwd_tri": 4}
+NUM_STAGES = {"state": 3, "state_aug": 3, "bwd_state": 3, "inter": 3, "p2p_output": 1}
 
 
 def _stages(name: str, dtype: torch.dtype, wide: bool = False) -> int:
@@ -54,10 +55,29 @@ def triton_cdiv(a: int, b: int) -> int:
 # the augmented (K+V wide) passes already have twice the blocks. Tuned on an H200 at T=16K.
 STATE_BV = 32
 STATE_BV_AUG = 64
+# value-column block of the plain output kernel
+OUTPUT_BV = 64
+# State-P2P: chunks per stored summary state (the output steps the state through the others) and
+# the output's value block. H200, K=V=128 bf16, T=4K..64K (benchmarks/gdn_kernels.py --p2p-variants):
+# HS 16 was best or within 2% (fewer stored states in the summary, fewer K x K state dots in the
+# output; 32 lost at 4K: too few groups); BV = V was slower than 64 at 4 or 8 warps; BV = 32 hit an
+# illegal address there (Triton 3.6, not understood: the interpreter gives the right result), so keep
+# it >= 64 at K = 128. Summary and output must run with the same P2P_HSTRIDE (``p2p_fwd_output`` checks).
+P2P_HSTRIDE = 16
+P2P_OUTPUT_BV = 64
 
 
 def _bv(K: int, V: int) -> int:
     return min(64, K, V)
+
+
+def _output_bv(V: int) -> int:
+    return min(OUTPUT_BV, V)
+
+
+def _p2p_output_bv(V: int, dtype: torch.dtype) -> int:
+    """fp32 tiles take twice the shared memory of bf16 ones: keep them at most 64 columns wide."""
+    return min(P2P_OUTPUT_BV, V, 64 if dtype == torch.float32 else V)
 
 
 def _state_bv(K: int, V: int, augmented: bool = False) -> int:
@@ -80,34 +100,53 @@ def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
     return gc, w, u, tinv
 
 
-def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, nx: int = 0):
+def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, nx: int = 0,
+              hstride: int = 1, store_vn: bool = True):
     """Chunk-sequential state pass. ``nx = K`` runs the augmented (summary) pass from a zero state.
 
-    -> (hbuf [B,NT,Hv,K,nx+V] entering states, vnbuf [B,T,Hv,nx+V] updates, ht fp32 [B,Hv,K,nx+V]).
+    -> (hbuf [B,cdiv(NT,hstride),Hv,K,nx+V] entering states of every ``hstride``-th chunk,
+    vnbuf [B,T,Hv,nx+V] updates (None unless ``store_vn``), ht fp32 [B,Hv,K,nx+V]).
     """
     B, T, Hk, Hv, K, V, NT = _dims(None, k, u)
     NS = nx + V
-    BV = _state_bv(K, V, nx > 0)
-    hbuf = torch.empty(B, NT, Hv, K, NS, device=k.device, dtype=k.dtype)
-    vnbuf = torch.empty(B, T, Hv, NS, device=k.device, dtype=k.dtype)
+    BV, key = _state_bv(K, V, nx > 0), "state_aug" if nx else "state"
+    hbuf = torch.empty(B, triton_cdiv(NT, hstride), Hv, K, NS, device=k.device, dtype=k.dtype)
+    vnbuf = torch.empty(B, T, Hv, NS, device=k.device, dtype=k.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, NS, device=k.device, dtype=torch.float32)
     _k.gdn_fwd_state_kernel[(NS // BV, B * Hv)](
-        k, w, u, gc, h0 if h0 is not None else ht, hbuf, vnbuf, ht, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NX=nx, BT=CHUNK, BV=BV, USE_H0=h0 is not None,
-        num_warps=NUM_WARPS["state"], num_stages=_stages("state", k.dtype), **_flags(k.dtype))
+        k, w, u, gc, h0 if h0 is not None else ht, hbuf, vnbuf if store_vn else hbuf, ht, T, NT,
+        Hk=Hk, Hv=Hv, K=K, V=V, NX=nx, BT=CHUNK, BV=BV, HS=hstride, STORE_VN=store_vn, USE_H0=h0 is not None,
+        num_warps=NUM_WARPS[key], num_stages=_stages(key, k.dtype), **_flags(k.dtype))
     return hbuf, vnbuf, ht
 
 
-def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, scale: float,
-               h_in: Tensor | None = None, nx: int = 0) -> Tensor:
+def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, scale: float) -> Tensor:
+    """Output from a plain state pass's per-chunk entering states and updates."""
     B, T, Hk, K = q.shape
-    Hv, NS = gc.shape[2], vnbuf.shape[-1]
-    V, NT = NS - nx, triton_cdiv(T, CHUNK)
-    BV = _bv(K, V)
+    Hv, V = gc.shape[2], vnbuf.shape[-1]
+    NT, BV = triton_cdiv(T, CHUNK), _output_bv(V)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
     _k.gdn_fwd_output_kernel[(V // BV, NT, B * Hv)](
-        q, k, gc, hbuf, vnbuf, h_in if h_in is not None else o, o, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NX=nx, BT=CHUNK, BV=BV, num_warps=NUM_WARPS["output"], **_flags(q.dtype))
+        q, k, gc, hbuf, vnbuf, o, scale, T, NT,
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK, BV=BV, num_warps=NUM_WARPS["output"], **_flags(q.dtype))
+    return o
+
+
+def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Tensor, h_in: Tensor,
+               scale: float) -> Tensor:
+    """Output from the augmented summary's states ``hbuf`` (``[P | h0]`` of every ``P2P_HSTRIDE``-th
+    chunk), prepare's ``w``, ``u`` and the incoming state ``h_in`` fp32 [B,Hv,K,V]."""
+    B, T, Hk, K = q.shape
+    Hv, V = u.shape[2], u.shape[3]
+    NT, HS = triton_cdiv(T, CHUNK), P2P_HSTRIDE
+    if hbuf.shape[1] != triton_cdiv(NT, HS):
+        raise ValueError(f"GDN State-P2P: the summary stored {hbuf.shape[1]} states for {NT} chunks, but "
+                         f"P2P_HSTRIDE is {HS}: summary and output must run with the same setting")
+    BV = _p2p_output_bv(V, q.dtype)
+    o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
+    _k.gdn_p2p_output_kernel[(V // BV, triton_cdiv(NT, HS), B * Hv)](
+        q, k, w, u, gc, hbuf, h_in, o, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, HS=HS, BT=CHUNK, BV=BV,
+        num_warps=NUM_WARPS["p2p_output"], num_stages=_stages("p2p_output", q.dtype), **_flags(q.dtype))
     return o
 
 
@@ -217,21 +256,22 @@ def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=
 def p2p_fwd_summary(k, v, g, beta):
     """Everything of a rank's forward that does not need the incoming state, plus its summary.
 
-    -> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], saved) where ``H_out = M @ H_in + S``. One augmented
-    state pass (width K + V) replaces the plain one; it is parallel over heads and column blocks
-    exactly like the plain pass, so at moderate head counts it costs about the same wall time.
+    -> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], saved = (gc, w, u, tinv, hbuf)) where
+    ``H_out = M @ H_in + S``. One augmented state pass (width K + V) replaces the plain one; it
+    stores only the entering states ``[P | h0]`` of every ``P2P_HSTRIDE``-th chunk: the output
+    rebuilds the updates from ``w`` and ``u``, which the backward keeps anyway.
     """
     K = k.shape[-1]
     gc, w, u, tinv = fwd_prepare(k, v, g, beta)
-    hbuf, vnbuf, ht = fwd_state(k, w, u, gc, None, nx=K)
+    hbuf, _, ht = fwd_state(k, w, u, gc, None, nx=K, hstride=P2P_HSTRIDE, store_vn=False)
     M, S = ht[..., :K], ht[..., K:]
-    return M, S, (gc, w, u, tinv, hbuf, vnbuf)
+    return M, S, (gc, w, u, tinv, hbuf)
 
 
 def p2p_fwd_output(q, k, saved, h_in: Tensor, scale: float) -> Tensor:
-    """Output of the rank given its incoming state ``h_in`` (fp32 [B,Hv,K,V]); no chunk recompute."""
-    gc, _, _, _, hbuf, vnbuf = saved
-    return fwd_output(q, k, gc, hbuf, vnbuf, scale, h_in=h_in.float().contiguous(), nx=k.shape[-1])
+    """Output of the rank given its incoming state ``h_in`` (fp32 [B,Hv,K,V])."""
+    gc, w, u, _, hbuf = saved
+    return p2p_output(q, k, w, u, gc, hbuf, h_in.float().contiguous(), scale)
 
 
 def p2p_bwd_summary(q, k, w, gc, do, scale):
@@ -244,9 +284,9 @@ def p2p_bwd_summary(q, k, w, gc, do, scale):
     return dh0[..., K:], dh0[..., :K], (dhbuf, dvnbuf)
 
 
-def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale):
+def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale, qk_grad_dtype=None):
     """Input gradients of the rank once its incoming state ``h_in`` and the gradient of its leaving
-    state ``dh_out`` are known -> (dq, dk, dv, dg, dbeta)."""
+    state ``dh_out`` are known -> (dq, dk, dv, dg, dbeta); ``qk_grad_dtype`` as in ``gdn_bwd``."""
     K = k.shape[-1]
     dhbuf, dvnbuf = dsaved
     h_in = h_in.float().contiguous() if h_in is not None else None
@@ -254,7 +294,7 @@ def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, s
     hbuf, vnbuf, _ = fwd_state(k, w, u, gc, h_in)
     dq, dk, dw, dgc, du = bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale, dh_out=dh_out, ny=K)
     dk, dv, dbeta, dg = bwd_prepare(k, v, beta, gc, tinv, dw, du, 0, dk, dgc)
-    return _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg)
+    return _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype)
 
 
 # ----------------------------------------------------------------------------- summary backward

@@ -98,8 +98,10 @@ gdn_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 @torch.library.custom_op("cpcompile::gdn_p2p_fwd_summary", mutates_args=())
 def gdn_p2p_fwd_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], gc, w, u, tinv, hbuf, vnbuf); ``H_out = M H_in + S``."""
+                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], gc, w, u, tinv, hbuf); ``H_out = M H_in + S``.
+    ``hbuf`` [B, cdiv(NT, launch.P2P_HSTRIDE), Hv, K, K+V]: entering states ``[P | h0]`` of every
+    ``P2P_HSTRIDE``-th chunk."""
     check_device(k.device.type, k.device.index)
     M, S, saved = launch.p2p_fwd_summary(_c(k), _c(v), _c(g), _c(beta))
     return (M.contiguous(), S.contiguous(), *saved)
@@ -112,23 +114,21 @@ def _(k, v, g, beta):
     f32 = torch.float32
     return (k.new_empty(B, Hv, K, K, dtype=f32), k.new_empty(B, Hv, K, V, dtype=f32),
             k.new_empty(B, T, Hv, dtype=f32), k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V),
-            k.new_empty(B, T, Hv, CHUNK, dtype=f32), k.new_empty(B, _nt(T), Hv, K, K + V),
-            k.new_empty(B, T, Hv, K + V))
+            k.new_empty(B, T, Hv, CHUNK, dtype=f32),
+            k.new_empty(B, launch.triton_cdiv(_nt(T), launch.P2P_HSTRIDE), Hv, K, K + V))
 
 
 @torch.library.custom_op("cpcompile::gdn_p2p_fwd_output", mutates_args=())
-def gdn_p2p_fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, h_in: Tensor,
+def gdn_p2p_fwd_output(q: Tensor, k: Tensor, gc: Tensor, w: Tensor, u: Tensor, hbuf: Tensor, h_in: Tensor,
                        scale: float) -> Tensor:
     """Output given the incoming state ``h_in`` fp32 [B,Hv,K,V], from the summary's saved tensors."""
     check_device(q.device.type, q.device.index)
-    return launch.fwd_output(_c(q), _c(k), _c(gc), _c(hbuf), _c(vnbuf), scale,
-                             h_in=h_in.float().contiguous(), nx=k.shape[-1])
+    return launch.p2p_output(_c(q), _c(k), _c(w), _c(u), _c(gc), _c(hbuf), h_in.float().contiguous(), scale)
 
 
 @gdn_p2p_fwd_output.register_fake
-def _(q, k, gc, hbuf, vnbuf, h_in, scale):
-    B, T, Hk, K = k.shape
-    return q.new_empty(B, T, gc.shape[2], vnbuf.shape[-1] - K)
+def _(q, k, gc, w, u, hbuf, h_in, scale):
+    return q.new_empty(u.shape)
 
 
 @torch.library.custom_op("cpcompile::gdn_p2p_bwd_summary", mutates_args=())
