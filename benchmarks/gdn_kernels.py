@@ -1,6 +1,8 @@
 """Benchmark the GDN core: cpcompile's Triton kernels vs fla-core vs transformers' torch reference.
 
     python benchmarks/gdn_kernels.py [--T 8192 16384 32768 65536] [--warmup 5] [--repeat 20] [--out FILE]
+    python benchmarks/gdn_kernels.py --p2p-variants [--T 16384 32768 65536] [--hs 1 2 4] [--obv 64 128] ...
+    TRITON_INTERPRET=1 python benchmarks/gdn_kernels.py --p2p-variants --smoke   # CPU, tiny shape, no timing claim
 
 Shapes follow Qwen3.5's GDN layer: B=1, 16 key heads, 32 value heads, K=V=128, bf16 q/k/v/beta,
 fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+backward (median of
@@ -8,7 +10,8 @@ fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+back
 forward+backward; plus the State-P2P local cost (summary + output-with-state) against the plain local
 forward; the GDN CP wrappers' triton backend as the rewritten graph calls it (``cpcompile::gdn_chunk`` /
 ``gdn_summary``: plain core vs State-P2P's summary + chain step + core from the entering state); and a
-per-kernel breakdown at 16K. Interrupted (Ctrl-C, ``timeout -s INT``), it still writes what it measured.
+per-kernel breakdown at 16K. ``--p2p-variants`` instead times only the plain forward against every
+State-P2P forward variant (see ``bench_p2p_variants``) and needs no fla-core. Interrupted (Ctrl-C, ``timeout -s INT``), it still writes what it measured.
 On a fresh machine fla-core's first call compiles and autotunes for minutes: give a full run 5+ minutes.
 
 fla-core's gated backward refuses to run on Hopper with Triton < 3.7.1 (fla issue #640, a Triton
@@ -39,21 +42,31 @@ def _l2norm(x):
 
     return l2_normalize(x.float()).to(x.dtype)
 
-def make_inputs(T, *, seed=0, requires_grad=False, dtype=torch.bfloat16):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q = torch.randn(B, T, HK, DK, device="cuda", generator=gen).to(dtype)
-    k = torch.randn(B, T, HK, DK, device="cuda", generator=gen).to(dtype)
-    v = torch.randn(B, T, HV, DV, device="cuda", generator=gen).to(dtype)
-    g = torch.nn.functional.logsigmoid(torch.randn(B, T, HV, device="cuda", generator=gen) + 2.0)
-    beta = torch.sigmoid(torch.randn(B, T, HV, device="cuda", generator=gen)).to(dtype)
+def make_inputs(T, *, seed=0, requires_grad=False, dtype=torch.bfloat16, dims=None, device="cuda"):
+    """``dims`` = (B, Hk, Hv, K, V), default the Qwen3.5 shape above."""
+    b, hk, hv, dk, dv = dims or (B, HK, HV, DK, DV)
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, device=device, generator=gen)
+    q = rnd(b, T, hk, dk).to(dtype)
+    k = rnd(b, T, hk, dk).to(dtype)
+    v = rnd(b, T, hv, dv).to(dtype)
+    g = torch.nn.functional.logsigmoid(rnd(b, T, hv) + 2.0)
+    beta = torch.sigmoid(rnd(b, T, hv)).to(dtype)
     xs = [q, k, v, g, beta]
     if requires_grad:
         xs = [x.requires_grad_() for x in xs]
-    do = torch.randn(B, T, HV, DV, device="cuda", generator=gen).to(dtype)
+    do = rnd(b, T, hv, dv).to(dtype)
     return xs, do
 
 
 def time_cuda(fn, warmup, repeat):
+    if not torch.cuda.is_available():  # --smoke under the CPU interpreter: run once, wall clock
+        import time
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -179,44 +192,168 @@ def bench_p2p(T, warmup, repeat, rows):
           f"({t_bp2p / t_bplain:.2f}x); |o_p2p-o|/|o| {err:.1e}, grads {gerr:.1e}", flush=True)
 
 
+# ----------------------------------------------------------------------------- State-P2P forward variants
+
+# variant keys -> launch tunables: module globals (``_set``) or entries of NUM_WARPS / NUM_STAGES
+_DICT_KNOBS = {"ow": ("NUM_WARPS", "p2p_output"), "ost": ("NUM_STAGES", "p2p_output"),
+               "sw": ("NUM_WARPS", "state_aug"), "plain_ow": ("NUM_WARPS", "output")}
+P2P_GRID = {"hs": [4, 8, 16, 32], "sbv": [32, 64], "sw": [4, 8], "obv": [64, 128], "ow": [4, 8], "ost": [1],
+            "plain_obv": [64, 128], "plain_ow": [4]}
+
+
+def _set(L, **kw):
+    """Set launch tunables by variant key; -> the previous values (restore with ``_set(L, **old)``)."""
+    names = {"hs": "P2P_HSTRIDE", "sbv": "STATE_BV_AUG", "obv": "P2P_OUTPUT_BV", "plain_obv": "OUTPUT_BV"}
+    old = {}
+    for key, val in kw.items():
+        if key in _DICT_KNOBS:
+            table, entry = _DICT_KNOBS[key]
+            old[key] = getattr(L, table)[entry]
+            getattr(L, table)[entry] = val
+        else:
+            old[key] = getattr(L, names[key])
+            setattr(L, names[key], val)
+    return old
+
+
+def _p2p_defaults(L):
+    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV_AUG, sw=L.NUM_WARPS["state_aug"], obv=L.P2P_OUTPUT_BV,
+                ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
+                plain_ow=L.NUM_WARPS["output"])
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def _configs(grid, keys):
+    import itertools
+
+    return [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
+
+
+def _timed(L, cfg, fn, warmup, repeat):
+    """Median ms of ``fn`` under the launch tunables ``cfg`` (restored after) -> (ms, None) or (inf, error)."""
+    old = _set(L, **cfg)
+    try:
+        return time_cuda(fn, warmup, repeat), None
+    except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory on this GPU)
+        return float("inf"), f"failed {exc!r:.80}"
+    finally:
+        _set(L, **old)
+
+
+_SUMMARY_KEYS, _OUTPUT_KEYS = ("sbv", "sw"), ("obv", "ow", "ost")
+
+
+def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
+    """Plain local forward (``launch.gdn_fwd``) vs every State-P2P forward variant (``p2p_fwd_summary``
+    + ``p2p_fwd_output``) from the same incoming state. Summaries are timed per hs x _SUMMARY_KEYS,
+    outputs per hs x _OUTPUT_KEYS; each output row is paired with the fastest summary of its hs. A
+    variant that fails to build (e.g. out of shared memory) is reported, not fatal; a device fault
+    (illegal address) poisons the CUDA context, so every later row fails too. -> markdown lines."""
+    from cpcompile.kernels.triton_gdn import launch as L
+
+    grid = {**P2P_GRID, **(grid or {})}
+    base = _p2p_defaults(L)
+    b, _, hv, dk, dv = dims or (B, HK, HV, DK, DV)
+    lines = ["| variant | T | summary ms | output ms | total ms | ratio to plain fwd | rel err o vs plain |",
+             "|---|---|---|---|---|---|---|"]
+    for T in Ts:
+        (q, k, v, g, beta), _ = make_inputs(T, dims=dims, device=device)
+        q, k = _l2norm(q), _l2norm(k)
+        h_in = torch.randn(b, hv, dk, dv, device=device) * 0.1
+        scale = dk ** -0.5
+        o_ref = L.gdn_fwd(q, k, v, g, beta, h_in, scale)[0]
+        t_plain = time_cuda(lambda: L.gdn_fwd(q, k, v, g, beta, h_in, scale), warmup, repeat)
+        rows = []
+        for cfg in _configs(grid, ("plain_obv", "plain_ow")):
+            t, err = _timed(L, cfg, lambda: L.gdn_fwd(q, k, v, g, beta, h_in, scale), warmup, repeat)
+            rows.append((t, f"plain fwd, output bv={cfg['plain_obv']} w={cfg['plain_ow']} {err or ''}", "-", "-",
+                         f"{t / t_plain:.2f}", "-"))
+        for hs in grid["hs"]:
+            sums = [(*_timed(L, {"hs": hs, **c}, lambda: L.p2p_fwd_summary(k, v, g, beta), warmup, repeat), c)
+                    for c in _configs(grid, _SUMMARY_KEYS)]
+            for t, err, c in sums:
+                print(f"  T={T} summary hs={hs} {c}: {err or f'{t:.3f} ms'}", flush=True)
+            t_sum, _, c_sum = min(sums, key=lambda x: x[0])
+            if t_sum == float("inf"):
+                continue
+            old = _set(L, hs=hs)
+            saved = L.p2p_fwd_summary(k, v, g, beta)[2]
+            _set(L, **old)
+            for c in _configs(grid, _OUTPUT_KEYS):
+                cfg = {"hs": hs, **c_sum, **c}
+                name = " ".join(f"{a}={x}" for a, x in cfg.items())
+                name += " (default)" if all(base[a] == x for a, x in cfg.items()) else ""
+                fn = lambda: L.p2p_fwd_output(q, k, saved, h_in, scale)  # noqa: E731
+                t, err = _timed(L, {"hs": hs, **c}, fn, warmup, repeat)
+                old = _set(L, hs=hs, **c)
+                rel = f"{_rel(fn(), o_ref):.1e}" if err is None else "-"
+                _set(L, **old)
+                tot = t_sum + t
+                rows.append((tot, f"{name} {err or ''}", f"{t_sum:.3f}", f"{t:.3f}", f"{tot / t_plain:.2f}", rel))
+        lines.append(f"| plain fwd (launch.gdn_fwd, defaults) | {T} | - | - | {t_plain:.3f} | 1.00 | - |")
+        for tot, name, ts, to, ratio, rel in sorted(rows, key=lambda r: r[0]):
+            lines.append(f"| {name.strip()} | {T} | {ts} | {to} | {tot:.3f} | {ratio} | {rel} |")
+        print("\n".join(lines[-len(rows) - 1:]), flush=True)
+    return lines
+
+
+class MiddleRank:
+    """The ring as a middle rank of the State-P2P executor sees it, without a second device: every
+    receive returns a fixed state (or state gradient) at once, every send completes at once."""
+
+    class Done:
+        def wait(self):
+            pass
+
+    rank, world = 1, 3
+
+    def __init__(self, state):
+        self.state = state
+
+    def post_recv(self, like, offset):
+        return self.state, self.Done()
+
+    def send(self, tensor, offset):
+        return self.Done()
+
+
 def bench_layer_ops(T, warmup, repeat, rows):
-    """The GDN CP wrappers' triton backend as the graph rewrite calls it (``cpcompile::gdn_chunk`` /
-    ``gdn_summary``; q/k fp32 as Qwen3.5's layer hands them over, v/beta bf16): the plain local core
-    (Ulysses' core, CP=1) vs State-P2P's local work (summary, ``M H + S``, core from the entering state),
-    forward and forward+backward (the backward runs the chain and the summary's backward too)."""
-    ops = torch.ops.cpcompile
+    """The GDN CP wrappers' triton backend as the rewritten graph calls it (q/k fp32 as Qwen3.5's layer
+    hands them over, v/beta bf16): the plain local core ``cpcompile::gdn_chunk`` (Ulysses' core, CP=1)
+    vs a middle rank's State-P2P executor (``cpcompile::gdn_p2p_chunk``: summary, ``M H + S``, output;
+    backward: state-gradient summary, ``dH_local + M^T dH_out``, finish), communication excluded."""
     from cpcompile import gdn_ops  # noqa: F401  (registers the layer-level ops)
+    from cpcompile.kernels.triton_gdn.p2p_executor import p2p_backward, p2p_forward
 
     (q, k, v, g, beta), do = make_inputs(T)
     q, k = (torch.nn.functional.normalize(x.float(), dim=-1) for x in (q, k))
-    h_in = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
+    ring = MiddleRank(torch.randn(B, HV, DK, DV, device="cuda") * 0.1)
     s = DK ** -0.5
-
-    def plain(xs):
-        return ops.gdn_chunk(*xs, None, s, 64, "triton")
-
-    def p2p(xs):
-        m, st = ops.gdn_summary(*xs[1:], 64, "triton")
-        h_out = m @ h_in + st  # what this rank sends on (the chain's step)
-        return ops.gdn_chunk(*xs, h_in, s, 64, "triton"), h_out
-
-    def fwd_bwd(fn):
-        xs = [x.detach().requires_grad_() for x in (q, k, v, g, beta)]
-
-        def step():
-            out = fn(xs)
-            if isinstance(out, tuple):
-                (out[0] * do).sum().add((out[1] * h_in).sum()).backward()
-            else:
-                out.backward(do)
-        return step
-
     xs = [q, k, v, g, beta]
+
+    def plain():
+        return torch.ops.cpcompile.gdn_chunk(*xs, None, s, 64, "triton")
+
+    def plain_fwd_bwd():
+        leaves = [x.detach().requires_grad_() for x in xs]
+        torch.ops.cpcompile.gdn_chunk(*leaves, None, s, 64, "triton").backward(do)
+
+    def p2p():
+        return p2p_forward(*xs, s, 64, ring)
+
+    def p2p_fwd_bwd():
+        _, h_in = p2p_forward(*xs, s, 64, ring)
+        return p2p_backward(do, *xs, h_in, s, 64, ring)
+
     with torch.no_grad():
-        t_plain, t_p2p = time_cuda(lambda: plain(xs), warmup, repeat), time_cuda(lambda: p2p(xs), warmup, repeat)
-    tb_plain, tb_p2p = time_cuda(fwd_bwd(plain), warmup, repeat), time_cuda(fwd_bwd(p2p), warmup, repeat)
+        t_plain, t_p2p = time_cuda(plain, warmup, repeat), time_cuda(p2p, warmup, repeat)
+        tb_p2p = time_cuda(p2p_fwd_bwd, warmup, repeat)
+    tb_plain = time_cuda(plain_fwd_bwd, warmup, repeat)
     rows.append(dict(T=T, plain=t_plain, p2p=t_p2p, bplain=tb_plain, bp2p=tb_p2p))
-    print(f"  layer ops T={T}: gdn_chunk fwd {t_plain:.3f} ms, P2P path {t_p2p:.3f} ms ({t_p2p / t_plain:.2f}x); "
+    print(f"  layer ops T={T}: gdn_chunk fwd {t_plain:.3f} ms, P2P executor {t_p2p:.3f} ms ({t_p2p / t_plain:.2f}x); "
           f"fwd+bwd {tb_plain:.3f} vs {tb_p2p:.3f} ms ({tb_p2p / tb_plain:.2f}x)", flush=True)
 
 
@@ -255,11 +392,14 @@ def kernel_breakdown(T, warmup, repeat):
     dvl = L.bwd_dv_local(q, k, gc, do, s)
     dhbuf, dvnbuf, dh0 = L.bwd_state(q, k, w, gc, do, dvl, None, s)
     dq, dk, dw, dgc, _ = L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s)
+    aug = L.fwd_state(k, w, u, gc, None, nx=DK, hstride=L.P2P_HSTRIDE, store_vn=False)[0]
+    h_in = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
     parts = {
         "fwd_prepare": lambda: L.fwd_prepare(k, v, g, beta),
         "fwd_state": lambda: L.fwd_state(k, w, u, gc, None),
-        "fwd_state(aug K+V)": lambda: L.fwd_state(k, w, u, gc, None, nx=DK),
+        "fwd_state(aug K+V)": lambda: L.fwd_state(k, w, u, gc, None, nx=DK, hstride=L.P2P_HSTRIDE, store_vn=False),
         "fwd_output": lambda: L.fwd_output(q, k, gc, hbuf, vnbuf, s),
+        "p2p_output": lambda: L.p2p_output(q, k, w, u, gc, aug, h_in, s),
         "bwd_dv_local": lambda: L.bwd_dv_local(q, k, gc, do, s),
         "bwd_state": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s),
         "bwd_state(aug K+V)": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=DK),
@@ -333,7 +473,7 @@ def tune_warps(T, warmup, repeat):
     L.STATE_BV = best["STATE_BV"] = bv
     L.NUM_STAGES["state"] = L.NUM_STAGES["bwd_state"] = best["state_stages"] = st
     print(f"  tune STATE_BV/stages -> {bv}/{st}", flush=True)
-    for key in ("prepare", "state", "output", "dv_local", "bwd_state", "inter", "bwd_wy", "bwd_tri"):
+    for key in ("prepare", "state", "state_aug", "output", "p2p_output", "dv_local", "bwd_state", "inter", "bwd_wy", "bwd_tri"):
         timings = {}
         for nw in (4, 8):
             L.NUM_WARPS[key] = nw
@@ -348,7 +488,8 @@ def tune_warps(T, warmup, repeat):
     return best
 
 
-_KEYMAP = {"prepare": ["fwd_prepare"], "state": ["fwd_state", "fwd_state(aug K+V)"], "output": ["fwd_output"],
+_KEYMAP = {"prepare": ["fwd_prepare"], "state": ["fwd_state"], "state_aug": ["fwd_state(aug K+V)"], "output": ["fwd_output"],
+           "p2p_output": ["p2p_output"],
            "dv_local": ["bwd_dv_local"], "bwd_state": ["bwd_state", "bwd_state(aug K+V)"], "inter": ["bwd_inter"],
            "bwd_wy": ["bwd_prepare"], "bwd_tri": ["bwd_prepare"]}
 
@@ -360,7 +501,8 @@ def kernel_breakdown_cached(T, warmup, repeat, key):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--T", type=int, nargs="+", default=[8192, 16384, 32768, 65536])
+    ap.add_argument("--T", type=int, nargs="+", default=None,
+                    help="sequence lengths (default 8192..65536; with --p2p-variants 16384 32768 65536)")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--ref-max-T", type=int, default=8192)
@@ -368,7 +510,18 @@ def main():
     ap.add_argument("--no-lift-fla-guard", action="store_true")
     ap.add_argument("--tune", action="store_true", help="sweep num_warps per kernel at T=16K first")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown at T=16K")
+    ap.add_argument("--p2p-variants", action="store_true",
+                    help="only time the plain forward against every State-P2P forward variant (no fla-core)")
+    for key, vals in P2P_GRID.items():
+        ap.add_argument(f"--{key.replace('_', '-')}", type=int, nargs="+", default=None,
+                        help=f"--p2p-variants grid: {key} values (default {vals})")
+    ap.add_argument("--smoke", action="store_true",
+                    help="with --p2p-variants: T=128, Hv=2, K=V=32 on the CPU interpreter (checks the code path only)")
     args = ap.parse_args()
+    if args.p2p_variants:
+        return main_p2p_variants(args)
+    args.T = args.T or [8192, 16384, 32768, 65536]
 
     dev = torch.cuda.get_device_name()
     import triton
@@ -400,9 +553,10 @@ def main():
             bench_p2p(T, args.warmup, args.repeat, p2p_rows)
             bench_layer_ops(T, args.warmup, args.repeat, layer_rows)
             torch.cuda.empty_cache()
-        breakdown.update(kernel_breakdown(16384, args.warmup, args.repeat))
-        breakdown.update(ablation(16384, args.warmup, args.repeat))
-        breakdown.update(api_overhead(16384, args.warmup, args.repeat))
+        if not args.no_breakdown:
+            breakdown.update(kernel_breakdown(16384, args.warmup, args.repeat))
+            breakdown.update(ablation(16384, args.warmup, args.repeat))
+            breakdown.update(api_overhead(16384, args.warmup, args.repeat))
     except KeyboardInterrupt:
         interrupted = "interrupted (time limit) before the end: the sections below hold what was measured"
         print(interrupted, flush=True)
@@ -437,24 +591,56 @@ def main():
         lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['summary']:.3f} | {r['output']:.3f} | {r['p2p']:.3f} "
                      f"| {r['p2p'] / r['plain']:.2f} | {r['bplain']:.3f} | {r['bp2p']:.3f} | {r['bp2p'] / r['bplain']:.2f} "
                      f"| {r['err']:.1e} / {r['gerr']:.1e} |")
-    lines += ["", "GDN CP wrappers' triton backend as the rewritten graph calls it (`cpcompile::gdn_chunk`, "
-              "`gdn_summary`; q/k fp32 in, v/beta bf16): plain local core vs State-P2P's local work "
-              "(summary + `M H + S` + core from the entering state):", "",
-              "| T | gdn_chunk fwd ms | P2P path fwd ms | ratio | gdn_chunk fwd+bwd ms | P2P path fwd+bwd ms | ratio |",
+    lines += ["", "GDN CP wrappers' triton backend as the rewritten graph calls it (q/k fp32 in, v/beta bf16): "
+              "plain local core `cpcompile::gdn_chunk` vs a middle rank's State-P2P executor "
+              "(`cpcompile::gdn_p2p_chunk`, its sends and receives completing at once):", "",
+              "| T | gdn_chunk fwd ms | P2P executor fwd ms | ratio | gdn_chunk fwd+bwd ms | P2P executor fwd+bwd ms | ratio |",
               "|---|---|---|---|---|---|---|"]
     for r in layer_rows:
         lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['p2p']:.3f} | {r['p2p'] / r['plain']:.2f} | {r['bplain']:.3f} "
                      f"| {r['bp2p']:.3f} | {r['bp2p'] / r['bplain']:.2f} |")
     lines += ["", "Accuracy at T=4096 (same bf16 inputs; relative L2 error vs cpcompile's fp32 eager oracle):", ""]
     lines += [f"- {name}: {text}" for name, text in acc]
-    lines += ["", "Per-kernel time at T=16384 (ms):", "", "| kernel | ms |", "|---|---|"]
-    lines += [f"| {k} | {v:.3f} |" for k, v in breakdown.items()]
+    if breakdown:
+        lines += ["", "Per-kernel time at T=16384 (ms):", "", "| kernel | ms |", "|---|---|"]
+        lines += [f"| {k} | {v:.3f} |" for k, v in breakdown.items()]
     if tuned:
         lines += ["", f"num_warps after tuning: {tuned}"]
     text = "\n".join(lines) + "\n"
     print(text)
     out = args.out or os.path.join(ROOT, "benchmarks", "results",
                                    f"gdn_kernels_{_dt.date.today().isoformat()}_{dev.replace(' ', '-')}.md")
+    with open(out, "w") as f:
+        f.write(text)
+    print("wrote", out)
+
+
+def main_p2p_variants(args):
+    grid = {key: getattr(args, key) for key in P2P_GRID if getattr(args, key) is not None}
+    if args.smoke:  # the interpreter must be chosen before the kernels are first imported
+        os.environ["TRITON_INTERPRET"] = "1"
+        grid = {"hs": [1, 2], "sbv": [32], "sw": [4], "obv": [16, 32], "ow": [4], "ost": [1], "plain_obv": [32],
+                "plain_ow": [4], **grid}
+        bench_p2p_variants([128], 0, 1, grid, dims=(1, 1, 2, 32, 32), device="cpu")  # prints its table
+        return
+    import triton
+    dev = torch.cuda.get_device_name()
+    Ts = args.T or [16384, 32768, 65536]
+    env = f"torch {torch.__version__}, triton {triton.__version__}, device {dev}"
+    print(env, flush=True)
+    lines = [f"# GDN State-P2P forward variants — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
+             f"Shapes: B={B}, key heads {HK}, value heads {HV}, K=V={DK}, bf16; median of {args.repeat} after "
+             f"{args.warmup} warm-ups. hs: chunks per stored summary state; sbv/sw: summary state-pass column "
+             "block / warps; obv/ow/ost: output value block / warps / stages. "
+             "Each output row takes its hs's fastest summary.", ""]
+    try:
+        lines += bench_p2p_variants(Ts, args.warmup, args.repeat, grid)
+    except KeyboardInterrupt:
+        lines += ["", "**interrupted: the table holds what was measured before**"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = args.out or os.path.join(ROOT, "benchmarks", "results",
+                                   f"gdn_p2p_variants_{_dt.date.today().isoformat()}_{dev.replace(' ', '-')}.md")
     with open(out, "w") as f:
         f.write(text)
     print("wrote", out)

@@ -2,6 +2,8 @@
 
     gdn_chunk(q, k, v, g, beta, initial_state?, scale, chunk_size, backend) -> o
     gdn_summary(k, v, g, beta, chunk_size, backend) -> (M, S)      # H_out = M @ H_in + S
+    gdn_p2p_chunk(q, k, v, g, beta, scale, chunk_size, group_name, rank, world) -> (o, H_in)
+                                                 # triton State-P2P: one rank's core and its chain
 
 q and k arrive already L2-normalised (the layer does that in the graph), g is the log decay,
 beta the write strength; layouts as in `cpcompile.kernels.gdn_eager`. Each op has a fake
@@ -206,3 +208,67 @@ def _summary_grad(ctx, grad_m, grad_s):
 
 
 gdn_summary.register_autograd(_summary_grad, setup_context=_summary_setup)
+
+
+# --------------------------------------------------------------------------- gdn_p2p_chunk (triton)
+#
+# State-P2P with the Triton kernels is one op, forward and backward, whose implementation talks to
+# its ring neighbours itself (`kernels.triton_gdn.p2p_executor`). Why not graph nodes around a
+# visible chain, as the eager backend has: the split kernels need the backward in two phases
+# around the reverse state-gradient chain (local state-gradient summary -> receive dH_out -> send
+# dH_in -> finish the input gradients). Separate summary and core nodes would instead get autograd's
+# per-node backward: a full core backward from H_in plus an exact summary backward (two more
+# final-state backwards), about 2.4x a plain backward instead of about 1.5x.
+
+
+def _ring(group_name: str, rank: int, world: int):
+    from .kernels.triton_gdn.p2p_executor import Ring
+
+    return Ring.of(group_name, rank, world)
+
+
+@torch.library.custom_op("cpcompile::gdn_p2p_chunk", mutates_args=())
+def gdn_p2p_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int,
+                  group_name: str, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """-> (o, H_in): this rank's core output and the fp32 state that entered its segment."""
+    from .kernels.triton_gdn.p2p_executor import p2p_forward
+
+    return p2p_forward(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
+
+
+@gdn_p2p_chunk.register_fake
+def _(q, k, v, g, beta, scale, chunk_size, group_name, rank, world):
+    _check_triton(q, k, v, g, beta, None, chunk_size)
+    state_shape = [k.shape[0], v.shape[2], k.shape[3], v.shape[3]]
+    return v.new_empty(v.shape, dtype=q.dtype), k.new_empty(state_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("cpcompile::gdn_p2p_chunk_backward", mutates_args=())
+def gdn_p2p_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                           h_in: Tensor, scale: float, chunk_size: int, group_name: str, rank: int,
+                           world: int) -> list[Tensor]:
+    from .kernels.triton_gdn.p2p_executor import p2p_backward
+
+    return p2p_backward(grad_out, q, k, v, g, beta, h_in, scale, chunk_size, _ring(group_name, rank, world))
+
+
+@gdn_p2p_chunk_backward.register_fake
+def _(grad_out, q, k, v, g, beta, h_in, scale, chunk_size, group_name, rank, world):
+    return [_like(x) for x in (q, k, v, g, beta)]
+
+
+def _p2p_setup(ctx, inputs, output):
+    q, k, v, g, beta, *ctx.config = inputs
+    ctx.save_for_backward(q, k, v, g, beta, output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _p2p_grad(ctx, grad_out, _grad_h_in):
+    q, k, v, g, beta, h_in = ctx.saved_tensors
+    if grad_out is None:  # still exchange the state gradient: the neighbours wait for it
+        grad_out = torch.zeros(v.shape, dtype=q.dtype, device=v.device)
+    grads = gdn_p2p_chunk_backward(grad_out, q, k, v, g, beta, h_in, *ctx.config)
+    return (*grads, None, None, None, None, None)
+
+
+gdn_p2p_chunk.register_autograd(_p2p_grad, setup_context=_p2p_setup)

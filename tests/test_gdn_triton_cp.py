@@ -7,10 +7,12 @@ runs bf16 at T = 4K per rank: the layer-level ops on one GPU, CP on two (NCCL).
 """
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -71,7 +73,7 @@ def _interpreted_kernels() -> bool:
 
 
 def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len: int, dtype, seed: int,
-                    device_type: str) -> dict:
+                    device_type: str, compile_backend: str | None = None) -> dict:
     """Layer output, input gradient and parameter gradients: CP (triton) vs CP=1 (eager)."""
     import cpcompile
 
@@ -92,8 +94,10 @@ def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len:
     plan = cpcompile.load_plan(gdn_plan(world, method, match="layer", chunk_size=CHUNK, backend="triton"))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type=device_type)
     local_in = hidden[:, block].clone().requires_grad_()
-    model = cpcompile.compile(gdn_layer(config, seed, dtype, device), mesh, plan, example_inputs=(local_in,))
-    out = model(local_in)
+    dump = tempfile.mkdtemp(prefix=f"gdn_triton_{method}_{rank}_")
+    model = cpcompile.compile(gdn_layer(config, seed, dtype, device), mesh, plan, example_inputs=(local_in,),
+                              dump_dir=dump)
+    out = (torch.compile(model, backend=compile_backend) if compile_backend else model)(local_in)
     (out * weight[:, block]).sum().backward()
     grads = {}
     for (name, p), q in zip(model.named_parameters(), reference.parameters()):
@@ -106,12 +110,13 @@ def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len:
         "grads": grads,
         "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
         "interpreted": _interpreted_kernels() if device_type == "cpu" else None,
+        "notes": json.load(open(os.path.join(dump, "summary.json")))["regions"][0]["notes"],
     }
 
 
-def _cpu_body(rank: int, world: int, seed: int) -> dict:
-    return {method: layer_cp_errors(rank, world, method, TINY, TINY_LOCAL_LEN, torch.float32, seed, "cpu")
-            for method in ("p2p", "ulysses")}
+def _cpu_body(rank: int, world: int, seed: int, methods=("p2p", "ulysses"), compile_backend=None) -> dict:
+    return {method: layer_cp_errors(rank, world, method, TINY, TINY_LOCAL_LEN, torch.float32, seed, "cpu",
+                                    compile_backend) for method in methods}
 
 
 def _worst(result: dict) -> float:
@@ -123,11 +128,59 @@ def test_cp_triton_matches_eager_reference_in_interpreter():
     """P2P and Ulysses, 2 gloo ranks, fp32, every gradient within 1e-3 of the eager CP=1 run."""
     results = run_distributed(_cpu_body, 2, random.randrange(1 << 30), timeout=300,
                               env={"TRITON_INTERPRET": "1"})
+    _check_interpreted(results)
+
+
+def _check_interpreted(results: list[dict]) -> None:
     for result in results:
         for method, r in result.items():
             assert r["interpreted"], "the ranks' Triton kernels were not built for the interpreter"
             assert r["finite"], (method, r)
             assert _worst(r) <= 1e-3, (method, r)
+            if method == "p2p":  # the fused executor, not the eager graph chain
+                assert any("cpcompile::gdn_p2p_chunk" in note for note in r["notes"]), r["notes"]
+
+
+@cpu_only
+def test_cp_triton_p2p_three_ranks_in_interpreter():
+    """A middle rank receives and sends in both directions: State-P2P on 3 gloo ranks, the layer
+    under torch.compile (aot_eager), where the executor op is one opaque node forward and backward."""
+    results = run_distributed(_cpu_body, 3, random.randrange(1 << 30), ("p2p",), "aot_eager", timeout=300,
+                              env={"TRITON_INTERPRET": "1"})
+    _check_interpreted(results)
+
+
+def _p2p_op_body(rank: int, world: int, seed: int, local_len: int) -> dict:
+    """`cpcompile::gdn_p2p_chunk` on this rank's segment vs the eager core on the whole sequence.
+    Weak decay and small write strengths keep the segments' transition products far from zero, so
+    a wrong state or state gradient crossing a rank boundary shows in every later rank's numbers."""
+    import torch.distributed as dist
+
+    ops = torch.ops.cpcompile
+    q, k, v, _, _, _ = _op_inputs(1, local_len * world, 1, 2, 16, 16, torch.float32, "cpu", seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = -0.02 * torch.rand(v.shape[:3], generator=gen)
+    beta = 0.1 * torch.rand(v.shape[:3], generator=gen)
+    d_o = torch.randn(v.shape, generator=gen)
+    block = slice(rank * local_len, (rank + 1) * local_len)
+    full = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o_ref = ops.gdn_chunk(*full, None, 0.25, CHUNK, "eager")
+    (o_ref * d_o).sum().backward()
+    local = [x[:, block].clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o, h_in = ops.gdn_p2p_chunk(*local, 0.25, CHUNK, dist.group.WORLD.group_name, rank, world)
+    (o * d_o[:, block]).sum().backward()
+    errors = {"o": rel(o, o_ref[:, block])}
+    errors.update({f"d{n}": rel(a.grad, b.grad[:, block]) for n, a, b in zip(("q", "k", "v", "g", "beta"), local, full)})
+    return errors
+
+
+@cpu_only
+def test_p2p_op_chain_matches_whole_sequence_in_interpreter():
+    """4 gloo ranks: outputs and every input gradient of each segment equal the whole-sequence core."""
+    results = run_distributed(_p2p_op_body, 4, random.randrange(1 << 30), 70, timeout=300,
+                              env={"TRITON_INTERPRET": "1"})
+    for rank, errors in enumerate(results):
+        assert max(errors.values()) <= 1e-4, (rank, errors)
 
 
 # ----------------------------------------------------------------------------- the ops themselves
@@ -260,9 +313,81 @@ def test_gpu_layer_triton_matches_eager_bf16():
     assert max(errors.values()) <= 1e-2, errors
 
 
+class LoopbackRing:
+    """One process plays every rank of a ring in turn (forward 0..P-1, backward P-1..0): what a rank
+    sends is what its neighbour's next receive returns. Runs the executor's own code path on one
+    device, where a multi-rank NCCL run needs several."""
+
+    class Done:
+        def wait(self):
+            pass
+
+    def __init__(self, world: int):
+        self.world, self.rank, self.mailbox = world, 0, {}
+
+    def post_recv(self, like, offset):
+        sender = self.rank + offset
+        if not 0 <= sender < self.world:
+            return None
+        return self.mailbox.pop((sender, self.rank)), self.Done()
+
+    def send(self, tensor, offset):
+        if not 0 <= self.rank + offset < self.world:
+            return None
+        self.mailbox[(self.rank, self.rank + offset)] = tensor.float().clone()
+        return self.Done()
+
+
+def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int) -> dict:
+    """The executor over `world` segments of one sequence vs the triton core on the whole of it."""
+    from cpcompile.kernels.triton_gdn.p2p_executor import p2p_backward, p2p_forward
+
+    q, k, v, _, _, _ = _op_inputs(1, T, 2, 4, 128, 128, dtype, device, seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g = (-0.05 * torch.rand(v.shape[:3], generator=gen)).to(device)
+    beta = (0.2 * torch.rand(v.shape[:3], generator=gen)).to(device, dtype)
+    d_o = torch.randn(v.shape, generator=gen).to(device, dtype)
+    scale = 128 ** -0.5
+    full = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    o_ref = torch.ops.cpcompile.gdn_chunk(*full, None, scale, CHUNK, "triton")
+    (o_ref.float() * d_o.float()).sum().backward()
+    ring, cut = LoopbackRing(world), T // world
+    segments = [[x[:, r * cut:(r + 1) * cut].detach() for x in (q, k, v, g, beta)] for r in range(world)]
+    outs, states, grads = [], [], [None] * world
+    for ring.rank in range(world):
+        o, h_in = p2p_forward(*segments[ring.rank], scale, CHUNK, ring)
+        outs.append(o)
+        states.append(h_in)
+    for ring.rank in reversed(range(world)):
+        r = ring.rank
+        grads[r] = p2p_backward(d_o[:, r * cut:(r + 1) * cut], *segments[r], states[r], scale, CHUNK, ring)
+    errors = {"o": rel(torch.cat(outs, 1), o_ref)}
+    for i, name in enumerate(("q", "k", "v", "g", "beta")):
+        errors[f"d{name}"] = rel(torch.cat([gr[i] for gr in grads], 1), full[i].grad)
+    return errors
+
+
+@cpu_only
+def test_p2p_executor_loopback_in_interpreter():
+    errors = loopback_p2p_errors(3 * 70, 3, torch.float32, "cpu", seed=5)
+    assert max(errors.values()) <= 1e-4, errors
+
+
 def _gpu_body(rank: int, world: int, seed: int) -> dict:
     return {method: layer_cp_errors(rank, world, method, GPU_SIZE, GPU_LOCAL_LEN, torch.bfloat16, seed, "cuda")
             for method in ("p2p", "ulysses")}
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("T", [4096, 16384])
+def test_gpu_p2p_executor_loopback_bf16(T):
+    """The State-P2P executor's kernels and state exchange on one GPU, 4 segments of a bf16
+    sequence (q/k fp32 as the layer hands them over) against the triton core on the whole of it."""
+    errors = loopback_p2p_errors(T, 4, torch.bfloat16, "cuda", seed=T)
+    print(f"P2P executor (loopback, 4 segments) vs whole-sequence core, T={T} bf16:",
+          {k: f"{v:.1e}" for k, v in errors.items()})
+    assert max(errors.values()) <= 2e-2, errors
 
 
 @gpu

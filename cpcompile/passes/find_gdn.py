@@ -32,6 +32,10 @@ class GdnMatch:
         return tuple(self.core.args[:5])
 
     @property
+    def scale(self) -> float:
+        return self.core.args[6]
+
+    @property
     def chunk_size(self) -> int:
         return self.core.args[7]
 

@@ -8,9 +8,14 @@ pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad. Then:
 - p2p: the local summary (M, S) (`H_out = M H_in + S`) is computed in parallel; the
   entering state travels rank 0 → P−1 in P−1 pass-to-next steps of fp32 `M·H + S`
   (autograd runs the gradient chain P−1 → 0); the core then runs with that state.
+  With the triton backend the whole rank-local P2P — summary, point-to-point state exchange with
+  the ring neighbours, output, and the two-phase backward — is one `cpcompile::gdn_p2p_chunk`
+  node (why: `gdn_ops`).
 - all_gather: every rank's (M, S) is all-gathered and rank r composes ranks 0..r−1.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
@@ -23,6 +28,7 @@ from .sequence_ops import note_once
 
 aten = torch.ops.aten
 GDN_SUMMARY = torch.ops.cpcompile.gdn_summary.default
+GDN_P2P_CHUNK = torch.ops.cpcompile.gdn_p2p_chunk.default
 PASS = "gdn_rewrite"
 
 
@@ -85,6 +91,8 @@ def zero_state(emit: Emitter, like_s: fx.Node) -> fx.Node:
 
 
 def rewrite_p2p(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
+    if match.backend == "triton":
+        return rewrite_p2p_triton(gm, match, ctx)
     emit = Emitter(gm.graph, match.core, PASS)
     m, s = local_summary(emit, match)
     state = zero_state(emit, s)
@@ -99,6 +107,14 @@ def rewrite_p2p(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
         state = emit(aten.squeeze.dim, received, 0)
     match.replace_core_with(gm, match.emit_core(emit, *match.inputs, initial_state=state))
     note_once(ctx, f"state chain: {ctx.cp_size - 1} pass-to-next steps of fp32 M.H+S")
+
+
+def rewrite_p2p_triton(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
+    emit = Emitter(gm.graph, match.core, PASS)
+    fused = emit(GDN_P2P_CHUNK, *match.inputs, match.scale, match.chunk_size, ctx.group_name, ctx.cp_rank, ctx.cp_size)
+    match.replace_core_with(gm, emit(operator.getitem, fused, 0))
+    note_once(ctx, f"state chain: inside cpcompile::gdn_p2p_chunk (isend/irecv of one fp32 state per step, "
+                   f"{ctx.cp_size - 1} steps forward and backward)")
 
 
 def rewrite_all_gather(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
