@@ -8,9 +8,9 @@ Shapes follow Qwen3.5's GDN layer: B=1, 16 key heads, 32 value heads, K=V=128, b
 fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+backward (median of
 ``repeat`` timed iterations after ``warmup``, CUDA events) and peak allocated/reserved memory of one
 forward+backward; plus the State-P2P local cost (summary + output-with-state) against the plain local
-forward; the GDN CP wrappers' triton backend as the rewritten graph calls it (``cpcompile::gdn_chunk`` /
-``gdn_summary``: plain core vs State-P2P's summary + chain step + core from the entering state); and a
-per-kernel breakdown at 16K. ``--p2p-variants`` instead times only the plain forward against every
+forward; the GDN CP wrappers' triton backend as the rewritten graph calls it (plain core
+``cpcompile::gdn_chunk`` vs a middle rank's State-P2P executor, ``cpcompile::gdn_p2p_chunk``, whose
+messages complete at once); and a per-kernel breakdown at 16K (``--no-breakdown`` skips it). ``--p2p-variants`` instead times only the plain forward against every
 State-P2P forward variant (see ``bench_p2p_variants``) and needs no fla-core. Interrupted (Ctrl-C, ``timeout -s INT``), it still writes what it measured.
 On a fresh machine fla-core's first call compiles and autotunes for minutes: give a full run 5+ minutes.
 

@@ -1,7 +1,7 @@
 """The Gated DeltaNet core as `cpcompile::` custom ops, so a traced GDN layer has one core node.
 
     gdn_chunk(q, k, v, g, beta, initial_state?, scale, chunk_size, backend) -> o
-    gdn_summary(k, v, g, beta, chunk_size, backend) -> (M, S)      # H_out = M @ H_in + S
+    gdn_summary(k, v, g, beta, chunk_size, "eager") -> (M, S)      # H_out = M @ H_in + S
     gdn_p2p_chunk(q, k, v, g, beta, scale, chunk_size, group_name, rank, world) -> (o, H_in)
                                                  # triton State-P2P: one rank's core and its chain
 
@@ -11,7 +11,8 @@ implementation and an autograd formula (a backward op), so graphs holding them e
 and differentiate like ATen ops.
 
 Backends: `eager` runs the pure-PyTorch oracle (backward: recompute under `torch.func.vjp`);
-`triton` runs cpcompile's Triton kernels forward and backward (`kernels.triton_gdn.backend`), with
+`triton` runs cpcompile's Triton kernels forward and backward (`kernels.triton_gdn.backend`, and
+`kernels.triton_gdn.p2p_executor` for `gdn_p2p_chunk`), with
 the capability check at region build (`require_backend`), at trace time (fake impls) and at run
 time — never a fallback. Triton is imported only when the triton backend is used.
 """
@@ -67,10 +68,15 @@ def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tenso
     return out.contiguous()  # the fake implementation promises a contiguous result
 
 
-def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
+def _eager_summary_only(backend: str) -> None:
     check_backend(backend)
-    if backend == "triton":
-        return _triton().summary_forward(k, v, g, beta, chunk_size)
+    if backend != "eager":
+        raise ValueError(f"cpcompile::gdn_summary runs the eager backend only, got {backend!r}; State-P2P "
+                         "on the triton backend is cpcompile::gdn_p2p_chunk")
+
+
+def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
+    _eager_summary_only(backend)
     m, s = gdn_eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
     return m.contiguous(), s.contiguous()
 
@@ -172,8 +178,7 @@ def _summary_shapes(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[list
 
 @gdn_summary.register_fake
 def _(k, v, g, beta, chunk_size, backend):
-    if backend == "triton":
-        _check_triton(k, k, v, g, beta, None, chunk_size)
+    _eager_summary_only(backend)
     m_shape, s_shape, dtype = _summary_shapes(k, v, g, beta)
     return k.new_empty(m_shape, dtype=dtype), k.new_empty(s_shape, dtype=dtype)
 
@@ -181,9 +186,6 @@ def _(k, v, g, beta, chunk_size, backend):
 @torch.library.custom_op("cpcompile::gdn_summary_backward", mutates_args=())
 def gdn_summary_backward(grad_m: Tensor, grad_s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                          chunk_size: int, backend: str) -> list[Tensor]:
-    if backend == "triton":
-        return _contiguous(_triton().summary_backward(grad_m, grad_s, k, v, g, beta, chunk_size))
-
     def forward(k, v, g, beta):
         return _summary(k, v, g, beta, chunk_size, backend)
 

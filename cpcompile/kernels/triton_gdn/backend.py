@@ -1,13 +1,10 @@
-"""The ``triton`` backend of the layer-level GDN ops ``cpcompile::gdn_chunk`` / ``gdn_summary``
-(``cpcompile.gdn_ops``): what their real implementations run. Every path is Triton kernels
-(plus dtype casts and sums of gradients); there is no eager fallback.
+"""The ``triton`` backend of the layer-level GDN op ``cpcompile::gdn_chunk`` (``cpcompile.gdn_ops``):
+what its real implementation runs (State-P2P has its own executor, ``p2p_executor``). Every path is
+Triton kernels (plus dtype casts and sums of gradients); there is no eager fallback.
 
 - chunk forward: ``gdn_fwd`` (prepare, state pass, output) from the given initial state;
 - chunk backward: ``fwd_prepare`` again (the op's autograd saves only its inputs), then ``gdn_bwd``
   (recomputed states, every input gradient and the initial state's);
-- summary forward: the augmented state pass (``p2p_fwd_summary``) gives ``M`` and ``S`` at once;
-- summary backward: ``summary_bwd``, two final-state-gradient chunk backwards (``S``: zero state;
-  ``M``: entering state ``I``, zero values) sharing one prepare.
 
 q and k are cast to the kernel dtype (v's, see ``capability.kernel_dtype``); results come back in
 the dtypes the ops' fake implementations promise.
@@ -40,15 +37,3 @@ def chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale: float, chun
                                                 qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
     dh0 = dh0.to(initial_state.dtype) if initial_state is not None else q.new_empty(0)
     return [dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype), dh0]
-
-
-def summary_forward(k, v, g, beta, chunk_size: int) -> tuple[Tensor, Tensor]:
-    _, kd = cast_and_check(k, k, v, g, beta, None, chunk_size)
-    M, S, _ = launch.p2p_fwd_summary(_c(kd), _c(v), _c(g), _c(beta))
-    return M.contiguous(), S.contiguous()
-
-
-def summary_backward(grad_m, grad_s, k, v, g, beta, chunk_size: int) -> list[Tensor]:
-    _, kd = cast_and_check(k, k, v, g, beta, None, chunk_size)
-    dk, dv, dg, dbeta = launch.summary_bwd(_c(kd), _c(v), _c(g), _c(beta), grad_m, grad_s, k_grad_dtype=k.dtype)
-    return [dk.to(k.dtype), dv.to(v.dtype), dg.to(g.dtype), dbeta.to(beta.dtype)]

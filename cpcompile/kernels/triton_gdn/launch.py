@@ -297,39 +297,6 @@ def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, s
     return _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype)
 
 
-# ----------------------------------------------------------------------------- summary backward
-
-
-def _final_state_bwd(k, v, beta, gc, w, u, tinv, h0, dht):
-    """Gradients of ``<dht, final state>`` alone (no output gradient) -> per value head fp32
-    (dk [B,T,Hv,K], dv in v's dtype, dbeta, dg). ``w``, ``u``, ``tinv``, ``gc`` from ``fwd_prepare``."""
-    B, T, Hk, Hv, K, V, NT = _dims(None, k, v)
-    do = torch.zeros(B, T, Hv, V, device=k.device, dtype=k.dtype)
-    dvl = torch.zeros(B, T, Hv, V, device=k.device, dtype=torch.float32)  # no outputs: no intra-chunk term
-    hbuf, vnbuf, _ = fwd_state(k, w, u, gc, h0)
-    dhbuf, dvnbuf, _ = bwd_state(k, k, w, gc, do, dvl, dht.float().contiguous(), 1.0)
-    _, dk, dw, dgc, _ = bwd_inter(k, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, 1.0)
-    return bwd_prepare(k, v, beta, gc, tinv, dw, dvnbuf, 0, dk, dgc)
-
-
-def summary_bwd(k, v, g, beta, dM, dS, k_grad_dtype=None):
-    """Exact backward of ``(M, S) = p2p_fwd_summary(k, v, g, beta)`` -> (dk, dv, dg, dbeta).
-
-    ``S`` is the final state of the segment from a zero state; ``M`` the final state from the
-    entering state ``I`` with zero values (value width K). Both are plain chunk problems with a
-    final-state gradient only; they share ``gc``, ``w`` and ``Tinv`` (which do not depend on v), and
-    their per-value-head gradients are summed in fp32 before the key-head reduction.
-    """
-    Hk = k.shape[2]
-    B, T, _, Hv, K, V, NT = _dims(None, k, v)
-    gc, w, u, tinv = fwd_prepare(k, v, g, beta)
-    dk, dv, dbeta, dg = _final_state_bwd(k, v, beta, gc, w, u, tinv, None, dS)
-    zero_values = torch.zeros(B, T, Hv, K, device=k.device, dtype=k.dtype)  # also M's u = Tinv(beta 0)
-    eye = torch.eye(K, device=k.device, dtype=torch.float32).expand(B, Hv, K, K).contiguous()
-    dk_m, _, dbeta_m, dg_m = _final_state_bwd(k, zero_values, beta, gc, w, zero_values, tinv, eye, dM)
-    return (_sum_groups(dk + dk_m, Hk).to(k_grad_dtype or k.dtype), dv, (dg + dg_m).to(g.dtype), (dbeta + dbeta_m).to(beta.dtype))
-
-
 # ----------------------------------------------------------------------------- q/k L2 norm
 
 L2NORM_EPS = 1e-6  # transformers' / fla's epsilon, inside the root

@@ -4,8 +4,9 @@
   (``gdn_chunk_fwd`` also returns what its backward needs: gate cumsum ``gc``, ``w``, ``u`` and the
   per-chunk ``(I + A)^-1``; they are not differentiable).
 - ``cpcompile::gdn_p2p_fwd_summary`` / ``gdn_p2p_fwd_output`` / ``gdn_p2p_bwd_summary`` /
-  ``gdn_p2p_bwd_finish``: the State-P2P pieces, without autograd (the CP layer wires them into its
-  own autograd function around the serial ``M @ H + S`` / ``M^T @ dH`` chain).
+  ``gdn_p2p_bwd_finish``: the State-P2P pieces, without autograd, for callers that run their own
+  chain between them (cpcompile's CP executor, ``p2p_executor`` inside ``cpcompile::gdn_p2p_chunk``,
+  calls the same launch functions directly).
 
 Every op has a fake (meta) implementation so it traces as one node under ``torch.export`` and
 ``torch.compile``. The device capability check runs inside the real implementations (first use).
