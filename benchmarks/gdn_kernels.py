@@ -10,8 +10,10 @@ fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+back
 forward+backward; plus the State-P2P local cost (summary + output-with-state) against the plain local
 forward; the GDN CP wrappers' triton backend as the rewritten graph calls it (plain core
 ``cpcompile::gdn_chunk`` vs a middle rank's State-P2P executor, ``cpcompile::gdn_p2p_chunk``, whose
-messages complete at once); and a per-kernel breakdown at 16K (``--no-breakdown`` skips it). ``--p2p-variants`` instead times only the plain forward against every
-State-P2P forward variant (see ``bench_p2p_variants``) and needs no fla-core. Interrupted (Ctrl-C, ``timeout -s INT``), it still writes what it measured.
+messages complete at once); and a per-kernel breakdown at 16K (``--no-breakdown`` skips it).
+``--p2p-variants`` instead times only the plain forward against every State-P2P forward variant (see
+``bench_p2p_variants``) and needs no fla-core. Interrupted (Ctrl-C, ``timeout -s INT``), it still
+writes what it measured.
 On a fresh machine fla-core's first call compiles and autotunes for minutes: give a full run 5+ minutes.
 
 fla-core's gated backward refuses to run on Hopper with Triton < 3.7.1 (fla issue #640, a Triton

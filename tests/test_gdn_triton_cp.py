@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from cp_harness import rel  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from gdn_harness import LayerHolder, gdn_plan  # noqa: E402
+from gdn_harness import DECAY_GRADS, LayerHolder, gdn_plan  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests (TRITON_INTERPRET=1, no CUDA)")
@@ -86,10 +86,15 @@ def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len:
     weight = torch.randn(batch, length, hidden_size, generator=gen).to(device=device, dtype=dtype)
     block = slice(rank * local_len, (rank + 1) * local_len)
 
-    reference = use_core(gdn_layer(config, seed, dtype, device), "eager")
-    ref_in = hidden.clone().requires_grad_()
-    ref_out = reference(ref_in)
-    (ref_out * weight).sum().backward()
+    def eager_run(run_dtype):
+        model = use_core(gdn_layer(config, seed, run_dtype, device), "eager")
+        inputs = hidden.to(run_dtype).clone().requires_grad_()
+        output = model(inputs)
+        (output * weight.to(run_dtype)).sum().backward()
+        return model, inputs, output
+
+    reference, ref_in, ref_out = eager_run(dtype)
+    truth = eager_run(torch.float64)[0] if dtype == torch.float32 else reference
 
     plan = cpcompile.load_plan(gdn_plan(world, method, match="layer", chunk_size=CHUNK, backend="triton"))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type=device_type)
@@ -99,15 +104,18 @@ def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len:
                               dump_dir=dump)
     out = (torch.compile(model, backend=compile_backend) if compile_backend else model)(local_in)
     (out * weight[:, block]).sum().backward()
-    grads = {}
-    for (name, p), q in zip(model.named_parameters(), reference.parameters()):
-        total = p.grad.clone()
+    grads, grads_vs_truth, reference_vs_truth = {}, {}, {}
+    for (name, p), q, t in zip(model.named_parameters(), reference.parameters(), truth.parameters()):
+        total = p.grad.double()  # summed in high precision, as FSDP's fp32 reduce would
         torch.distributed.all_reduce(total)
         grads[name] = rel(total, q.grad)
+        grads_vs_truth[name], reference_vs_truth[name] = rel(total, t.grad), rel(q.grad, t.grad)
     return {
         "output": rel(out, ref_out[:, block]),
         "input_grad": rel(local_in.grad, ref_in.grad[:, block]),
         "grads": grads,
+        "grads_vs_truth": grads_vs_truth,          # CP run vs a float64 eager CP=1 run (fp32 runs)
+        "reference_vs_truth": reference_vs_truth,  # the eager CP=1 run vs the same
         "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
         "interpreted": _interpreted_kernels() if device_type == "cpu" else None,
         "notes": json.load(open(os.path.join(dump, "summary.json")))["regions"][0]["notes"],
@@ -125,18 +133,23 @@ def _worst(result: dict) -> float:
 
 @cpu_only
 def test_cp_triton_matches_eager_reference_in_interpreter():
-    """P2P and Ulysses, 2 gloo ranks, fp32, every gradient within 1e-3 of the eager CP=1 run."""
+    """P2P and Ulysses, 2 gloo ranks, fp32, against the eager CP=1 run (criterion: `_check_interpreted`)."""
     results = run_distributed(_cpu_body, 2, random.randrange(1 << 30), timeout=300,
                               env={"TRITON_INTERPRET": "1"})
     _check_interpreted(results)
 
 
 def _check_interpreted(results: list[dict]) -> None:
+    """fp32: within 1e-4 of the eager CP=1 run, except the decay parameters' gradients, which must
+    be as close to a float64 run as the eager CP=1 run is (they sum many cancelling terms)."""
     for result in results:
         for method, r in result.items():
             assert r["interpreted"], "the ranks' Triton kernels were not built for the interpreter"
             assert r["finite"], (method, r)
-            assert _worst(r) <= 1e-3, (method, r)
+            others = [r["output"], r["input_grad"]] + [v for n, v in r["grads"].items() if n not in DECAY_GRADS]
+            assert max(others) <= 1e-4, (method, r)
+            for name in DECAY_GRADS:
+                assert r["grads_vs_truth"][name] <= 10 * r["reference_vs_truth"][name] + 1e-6, (method, name, r)
             if method == "p2p":  # the fused executor, not the eager graph chain
                 assert any("cpcompile::gdn_p2p_chunk" in note for note in r["notes"]), r["notes"]
 
