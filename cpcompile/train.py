@@ -28,17 +28,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, fields
-from typing import Any, Callable
+from typing import Callable
 
 import torch
-import yaml
 
 from .batch import shard_batch
 from .errors import PlanError
 from .install import compile as cp_compile
 from .loss import all_reduce_gradients
 from .mesh import build_mesh
-from .plan import Plan, load_plan
+from .plan import Plan, _check_size, _read_yaml, _reject_unknown_keys, load_plan
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -58,11 +57,10 @@ class TrainSettings:
 
     def validate(self) -> "TrainSettings":
         for name in ("steps", "seq_len", "batch_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise PlanError(f"train.{name}", f"must be a positive integer, got {value!r}")
-        if not isinstance(self.lr, (int, float)) or self.lr <= 0:
-            raise PlanError("train.lr", f"must be a positive number, got {self.lr!r}")
+            _check_size(f"train.{name}", getattr(self, name))
+        if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
+            hint = " (YAML reads 1e-3 as a string: write 1.0e-3)" if isinstance(self.lr, str) else ""
+            raise PlanError("train.lr", f"must be a positive number, got {self.lr!r}{hint}")
         if self.dtype not in DTYPES:
             raise PlanError("train.dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.device not in ("cpu", "cuda", "npu"):
@@ -79,7 +77,7 @@ class TrainConfig:
 
 def load_train_config(source: str | dict) -> TrainConfig:
     """Read and check a train config (a YAML path or a dict); errors name the field path."""
-    raw = source if isinstance(source, dict) else _read(source)
+    raw = source if isinstance(source, dict) else _read_yaml(source)
     if not isinstance(raw, dict):
         raise PlanError("<config>", f"must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
@@ -88,10 +86,7 @@ def load_train_config(source: str | dict) -> TrainConfig:
         raise PlanError("model", "a mapping with model_type (a transformers model type) is required")
     if not isinstance(settings, dict):
         raise PlanError("train", f"must be a mapping, got {type(settings).__name__}")
-    known = {f.name for f in fields(TrainSettings)}
-    for key in settings:
-        if key not in known:
-            raise PlanError(f"train.{key}", f"unknown key; expected one of {sorted(known)}")
+    _reject_unknown_keys("train", settings, tuple(f.name for f in fields(TrainSettings)))
     plan = load_plan(raw)
     acc = plan.accelerator
     others = {"dp_replicate_size": acc.dp_replicate_size, "dp_shard_size": acc.dp_shard_size,
@@ -101,11 +96,6 @@ def load_train_config(source: str | dict) -> TrainConfig:
             raise PlanError(f"accelerator.{name}", f"cpcompile train runs context parallelism only; must be 1, "
                                                    f"got {size} (use the library API for other parallelisms)")
     return TrainConfig(dict(model), TrainSettings(**settings).validate(), plan)
-
-
-def _read(path: str) -> Any:
-    with open(path, encoding="utf-8") as f:
-        return yaml.safe_load(f)
 
 
 def build_model(model_config: dict, settings: TrainSettings) -> torch.nn.Module:

@@ -45,6 +45,7 @@ def test_losses_follow_the_unrewritten_model():
     (lambda c: c["model"].pop("model_type"), "model"),
     (lambda c: c["train"].update(dtype="float16"), "train.dtype"),
     (lambda c: c["train"].update(steps=0), "train.steps"),
+    (lambda c: c["train"].update(lr="1e-3"), "train.lr"),
     (lambda c: c["accelerator"].update(dp_shard_size=2), "accelerator.dp_shard_size"),
     (lambda c: c.update(trainer={}), "trainer"),
 ])
@@ -73,4 +74,4 @@ def test_cli_reports_a_bad_config_without_a_traceback(tmp_path):
     path.write_text("model: {model_type: qwen3_5_text}\ntrain: {steps: -1}\naccelerator: {cp_size: 2}\n")
     res = subprocess.run([sys.executable, "-m", "cpcompile", "train", str(path)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
-    assert res.returncode == 2 and "train.steps: must be a positive integer" in res.stderr, res.stderr
+    assert res.returncode == 2 and "train.steps: must be an integer >= 1" in res.stderr, res.stderr
