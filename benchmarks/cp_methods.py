@@ -25,7 +25,6 @@ import argparse
 import datetime as _dt
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import cpcompile  # noqa: E402
+from cpcompile.bench import time_steps  # noqa: E402
 
 SIZES = {  # (hidden, layers, attention heads, kv heads, GDN key heads, GDN value heads, GDN head dim)
     "tiny": (32, 4, 4, 2, 2, 4, 16),
@@ -143,32 +143,12 @@ def speed(method: str, args) -> dict:
     mesh = cpcompile.build_mesh(plan.accelerator, device_type=args.device)
     local = cpcompile.shard_batch(tokens(args.local_len * world, seed=2, device=args.device), mesh, plan)
     model = cpcompile.compile(build(kind, args), mesh, plan, example_inputs=local)
-    cuda = args.device == "cuda"
 
-    def now() -> float:
-        if cuda:
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
-    forward, backward = [], []
-    for i in range(args.warmup + args.repeat):
-        if i == args.warmup and cuda:
-            torch.cuda.reset_peak_memory_stats()
-        t0 = now()
-        loss = model(**local).loss
-        t1 = now()
-        loss.backward()
-        t2 = now()
+    def step():
         model.zero_grad(set_to_none=True)
-        if i >= args.warmup:
-            forward.append(t1 - t0)
-            backward.append(t2 - t1)
-    gib = 2.0 ** 30
-    stats = torch.tensor([sorted(forward)[len(forward) // 2] * 1e3, sorted(backward)[len(backward) // 2] * 1e3,
-                          torch.cuda.max_memory_allocated() / gib if cuda else float("nan"),
-                          torch.cuda.max_memory_reserved() / gib if cuda else float("nan")], device=args.device)
-    dist.all_reduce(stats, op=dist.ReduceOp.MAX)
-    return dict(zip(("fwd", "bwd", "alloc", "reserved"), stats.tolist()))
+        return model(**local).loss
+
+    return time_steps(step, args.warmup, args.repeat, args.device)
 
 
 def run(args) -> tuple[list[str], bool]:

@@ -1,5 +1,5 @@
-"""`cpcompile train`: the loop's losses equal an unrewritten copy trained on the whole batch, the
-config's errors name their field, and the CLI runs the example config under torchrun."""
+"""`cpcompile train` and `bench`: the loop's losses equal an unrewritten copy trained on the whole
+batch, the config's errors name their field, and both verbs run the example config under torchrun."""
 from __future__ import annotations
 
 import os
@@ -60,13 +60,25 @@ def test_config_errors_name_the_field(edit, field):
     assert info.value.field == field, info.value
 
 
-def test_cli_runs_the_example_under_torchrun():
+def _cli(verb: str, *args: str) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "cpcompile", "train",
-           os.path.join(ROOT, "examples", "train_qwen3_5_p2p.yaml"), "--steps", "2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cpcompile",
+           verb, os.path.join(ROOT, "examples", "train_qwen3_5_p2p.yaml"), *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
-    assert "step 2/2" in res.stdout and "CP=1 loss" in res.stdout, res.stdout
+    return res.stdout
+
+
+def test_cli_trains_the_example_under_torchrun():
+    out = _cli("train", "--steps", "2")
+    assert "step 2/2" in out and "CP=1 loss" in out, out
+
+
+def test_cli_benches_the_example_under_torchrun():
+    out = _cli("bench", "--warmup", "0", "--repeat", "1", "--full-sequence")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
+    assert [r.split("|")[2].strip() for r in rows] == ["64", "64", "128"], out
+    assert rows[0].startswith("| CP=2: gdn:p2p") and "sdpa:all_gather" in rows[0], out
 
 
 def test_cli_reports_a_bad_config_without_a_traceback(tmp_path):
