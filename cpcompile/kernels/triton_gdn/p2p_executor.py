@@ -105,8 +105,7 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
     dh_out = _received(incoming)
     sent = None
     if ring.rank > 0:
-        dh_in = dh_local if dh_out is None else dh_local + torch.matmul(m_t, dh_out)
-        sent = ring.send(dh_in, -1)
+        sent = ring.send(launch.chain_grad_step(m_t.mT, dh_local, dh_out), -1)
     grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale,
                                   qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
     if sent is not None:
