@@ -67,7 +67,15 @@ def use_reference_gdn(model):
 
 # Gradients that sum many cancelling terms (the decay parameters): in fp32 two exact algorithms differ
 # there by up to ~1e-3 on some random inits, so CP is held to a float64 run as closely as CP=1 is.
-DECAY_GRADS = frozenset({"layer.A_log", "layer.dt_bias", "layer.in_proj_a.weight"})
+DECAY_PARAMS = ("A_log", "dt_bias", "in_proj_a.weight")  # parameter-name suffixes
+DECAY_GRADS = frozenset(f"layer.{name}" for name in DECAY_PARAMS)  # as named in a LayerHolder
+
+
+def without_decay(result: dict) -> tuple[dict, float]:
+    """A CP-vs-reference result without the decay parameters' gradients, and the worst of those."""
+    grads = result["grads"]
+    decay = [v for n, v in grads.items() if n.endswith(DECAY_PARAMS)]
+    return dict(result, grads={n: v for n, v in grads.items() if not n.endswith(DECAY_PARAMS)}), max(decay, default=0.0)
 
 
 class LayerHolder(torch.nn.Module):

@@ -5,11 +5,8 @@ import pytest
 import torch
 
 from cp_harness import rel
-from gdn_harness import CHUNK, TEXT, gdn_layer, tiny_qwen3_5, tiny_qwen3_5_vl
+from gdn_harness import CHUNK, DECAY_PARAMS, TEXT, gdn_layer, tiny_qwen3_5, tiny_qwen3_5_vl
 from cpcompile.models.qwen3_5 import GDN_PARAMETER_ROLES, gdn_layer_forward, is_gdn_layer, is_qwen3_5
-
-DECAY = ("A_log", "dt_bias", "in_proj_a.weight")
-
 
 @pytest.mark.parametrize("make", [tiny_qwen3_5, tiny_qwen3_5_vl], ids=["causal_lm", "conditional_generation"])
 def test_both_identities_are_recognised_with_their_gdn_layers(make):
@@ -44,7 +41,7 @@ def test_layer_statement_matches_transformers():
     assert rel(out, hf_out) <= 1e-5
     assert (out[1, :4] == 0).all(), "padded positions must output exactly zero"
     for name, grad in grads.items():
-        if name.endswith(DECAY):
+        if name.endswith(DECAY_PARAMS):
             assert rel(grad, truth[name]) <= 10 * rel(hf_grads[name], truth[name]) + 1e-6, name
         else:
             assert rel(grad, hf_grads[name]) <= 1e-5, name
