@@ -105,6 +105,18 @@ def reference_layer_run(seed: int, dtype, hidden, weight, mask):
     return model, inputs, out
 
 
+def parameter_grad_errors(model, reference, truth) -> dict:
+    """Per parameter: the CP gradient (summed over ranks) vs the CP=1 reference's, and both vs a
+    float64 CP=1 run's (`truth`), relative L2."""
+    grads, grads_vs_truth, reference_vs_truth = {}, {}, {}
+    for (name, p), q, t in zip(model.named_parameters(), reference.parameters(), truth.parameters()):
+        total = p.grad.double()  # summed in high precision, as FSDP's fp32 reduce would
+        torch.distributed.all_reduce(total)
+        grads[name] = rel(total, q.grad)
+        grads_vs_truth[name], reference_vs_truth[name] = rel(total, t.grad), rel(q.grad, t.grad)
+    return {"grads": grads, "grads_vs_truth": grads_vs_truth, "reference_vs_truth": reference_vs_truth}
+
+
 def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: bool, local_len: int) -> dict:
     """Full-layer output, input gradient and parameter gradients: CP vs CP=1 (same dtype)."""
     import cpcompile
@@ -129,18 +141,10 @@ def layer_errors(rank: int, world: int, method: str, dtype, seed: int, padded: b
     model = cpcompile.compile(gdn_layer(seed, dtype), mesh, plan, example_inputs=(local_in, local_mask))
     out = model(local_in, local_mask)
     (out * weight[:, block]).sum().backward()
-    grads, grads_vs_truth, reference_vs_truth = {}, {}, {}
-    for (name, p), q, t in zip(model.named_parameters(), ref_model.parameters(), truth_model.parameters()):
-        total = p.grad.double()  # summed in high precision, as FSDP's fp32 reduce would
-        torch.distributed.all_reduce(total)
-        grads[name] = rel(total, q.grad)
-        grads_vs_truth[name], reference_vs_truth[name] = rel(total, t.grad), rel(q.grad, t.grad)
     return {
         "output": rel(out, ref_out[:, block]),
         "input_grad": rel(local_in.grad, ref_in.grad[:, block]),
-        "grads": grads,
-        "grads_vs_truth": grads_vs_truth,          # CP run vs a float64 CP=1 run
-        "reference_vs_truth": reference_vs_truth,  # the CP=1 run in `dtype` vs the same
+        **parameter_grad_errors(model, ref_model, truth_model),
         "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
         "padding_zero": True if mask is None else bool((out[local_mask == 0] == 0).all()),
     }

@@ -23,7 +23,7 @@ pytest.importorskip("triton")
 
 from cp_harness import rel  # noqa: E402
 from dist_utils import run_distributed  # noqa: E402
-from gdn_harness import DECAY_GRADS, LayerHolder, gdn_plan  # noqa: E402
+from gdn_harness import DECAY_GRADS, LayerHolder, gdn_plan, parameter_grad_errors  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests (TRITON_INTERPRET=1, no CUDA)")
@@ -104,18 +104,10 @@ def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len:
                               dump_dir=dump)
     out = (torch.compile(model, backend=compile_backend) if compile_backend else model)(local_in)
     (out * weight[:, block]).sum().backward()
-    grads, grads_vs_truth, reference_vs_truth = {}, {}, {}
-    for (name, p), q, t in zip(model.named_parameters(), reference.parameters(), truth.parameters()):
-        total = p.grad.double()  # summed in high precision, as FSDP's fp32 reduce would
-        torch.distributed.all_reduce(total)
-        grads[name] = rel(total, q.grad)
-        grads_vs_truth[name], reference_vs_truth[name] = rel(total, t.grad), rel(q.grad, t.grad)
     return {
         "output": rel(out, ref_out[:, block]),
         "input_grad": rel(local_in.grad, ref_in.grad[:, block]),
-        "grads": grads,
-        "grads_vs_truth": grads_vs_truth,          # CP run vs a float64 eager CP=1 run (fp32 runs)
-        "reference_vs_truth": reference_vs_truth,  # the eager CP=1 run vs the same
+        **parameter_grad_errors(model, reference, truth),  # truth: a float64 eager run (fp32 runs)
         "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
         "interpreted": _interpreted_kernels() if device_type == "cpu" else None,
         "notes": json.load(open(os.path.join(dump, "summary.json")))["regions"][0]["notes"],
