@@ -608,10 +608,15 @@ def main():
         lines += [f"| {k} | {v:.3f} |" for k, v in breakdown.items()]
     if tuned:
         lines += ["", f"num_warps after tuning: {tuned}"]
+    write_report(lines, args.out, "gdn_kernels", dev)
+
+
+def write_report(lines: list[str], out: str | None, stem: str, device_name: str) -> None:
+    """Print the report and write it to ``out`` (default: benchmarks/results/<stem>_<date>_<device>.md)."""
     text = "\n".join(lines) + "\n"
     print(text)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"gdn_kernels_{_dt.date.today().isoformat()}_{dev.replace(' ', '-')}.md")
+    out = out or os.path.join(ROOT, "benchmarks", "results",
+                              f"{stem}_{_dt.date.today().isoformat()}_{device_name.replace(' ', '-')}.md")
     with open(out, "w") as f:
         f.write(text)
     print("wrote", out)
@@ -639,13 +644,7 @@ def main_p2p_variants(args):
         lines += bench_p2p_variants(Ts, args.warmup, args.repeat, grid)
     except KeyboardInterrupt:
         lines += ["", "**interrupted: the table holds what was measured before**"]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    out = args.out or os.path.join(ROOT, "benchmarks", "results",
-                                   f"gdn_p2p_variants_{_dt.date.today().isoformat()}_{dev.replace(' ', '-')}.md")
-    with open(out, "w") as f:
-        f.write(text)
-    print("wrote", out)
+    write_report(lines, args.out, "gdn_p2p_variants", dev)
 
 
 if __name__ == "__main__":
