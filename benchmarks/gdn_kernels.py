@@ -40,9 +40,9 @@ B, HK, HV, DK, DV = 1, 16, 32, 128, 128
 
 def _l2norm(x):
     """q/k normalisation in eager PyTorch (fp32, back to the input dtype), for timing pieces."""
-    from cpcompile.kernels.gdn_eager import l2_normalize
+    from cpcompile.kernels.gdn import l2norm
 
-    return l2_normalize(x.float()).to(x.dtype)
+    return l2norm(x.float()).to(x.dtype)
 
 def make_inputs(T, *, seed=0, requires_grad=False, dtype=torch.bfloat16, dims=None, device="cuda"):
     """``dims`` = (B, Hk, Hv, K, V), default the Qwen3.5 shape above."""
@@ -150,7 +150,8 @@ def bench_method(name, backend, run, T, warmup, repeat, rows, *, bwd=True):
 
 
 def bench_p2p(T, warmup, repeat, rows):
-    from cpcompile.kernels.triton_gdn import launch as L
+    from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step
+    from cpcompile.kernels.gdn.triton import launch as L
 
     (q, k, v, g, beta), do = make_inputs(T)
     q, k = _l2norm(q), _l2norm(k)
@@ -162,7 +163,7 @@ def bench_p2p(T, warmup, repeat, rows):
 
     def p2p():
         M, S, saved = L.p2p_fwd_summary(k, v, g, beta)
-        h_out = L.chain_step(M, S, h_in)
+        h_out = chain_step(M, S, h_in)
         return L.p2p_fwd_output(q, k, saved, h_in, scale), h_out
 
     o_ref = plain()
@@ -181,7 +182,7 @@ def bench_p2p(T, warmup, repeat, rows):
 
     def p2p_bwd():
         dl, mt, ds = L.p2p_bwd_summary(q, k, w, gc, do, scale)
-        L.chain_grad_step(mt.transpose(-1, -2), dl, dht)
+        chain_grad_step(mt.transpose(-1, -2), dl, dht)
         return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, ds, dht, scale)
     t_bp2p = time_cuda(p2p_bwd, warmup, repeat)
     ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
@@ -254,7 +255,7 @@ def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
     outputs per hs x _OUTPUT_KEYS; each output row is paired with the fastest summary of its hs. A
     variant that fails to build (e.g. out of shared memory) is reported, not fatal; a device fault
     (illegal address) poisons the CUDA context, so every later row fails too. -> markdown lines."""
-    from cpcompile.kernels.triton_gdn import launch as L
+    from cpcompile.kernels.gdn.triton import launch as L
 
     grid = {**P2P_GRID, **(grid or {})}
     base = _p2p_defaults(L)
@@ -327,8 +328,9 @@ def bench_layer_ops(T, warmup, repeat, rows):
     hands them over, v/beta bf16): the plain local core ``cpcompile::gdn_chunk`` (Ulysses' core, CP=1)
     vs a middle rank's State-P2P executor (``cpcompile::gdn_p2p_chunk``: summary, ``M H + S``, output;
     backward: state-gradient summary, ``dH_local + M^T dH_out``, finish), communication excluded."""
-    from cpcompile import gdn_ops  # noqa: F401  (registers the layer-level ops)
-    from cpcompile.kernels.triton_gdn.p2p_executor import p2p_backward, p2p_forward
+    from cpcompile.kernels.gdn import CHUNK_SIZE as C
+    from cpcompile.kernels.gdn import ops  # noqa: F401  (registers the layer-level ops)
+    from cpcompile.kernels.gdn.triton.p2p_executor import p2p_backward, p2p_forward
 
     (q, k, v, g, beta), do = make_inputs(T)
     q, k = (torch.nn.functional.normalize(x.float(), dim=-1) for x in (q, k))
@@ -337,18 +339,18 @@ def bench_layer_ops(T, warmup, repeat, rows):
     xs = [q, k, v, g, beta]
 
     def plain():
-        return torch.ops.cpcompile.gdn_chunk(*xs, None, s, 64, "triton")
+        return torch.ops.cpcompile.gdn_chunk(*xs, None, s, C, "triton")
 
     def plain_fwd_bwd():
         leaves = [x.detach().requires_grad_() for x in xs]
-        torch.ops.cpcompile.gdn_chunk(*leaves, None, s, 64, "triton").backward(do)
+        torch.ops.cpcompile.gdn_chunk(*leaves, None, s, C, "triton").backward(do)
 
     def p2p():
-        return p2p_forward(*xs, s, 64, ring)
+        return p2p_forward(*xs, s, C, ring)
 
     def p2p_fwd_bwd():
-        _, h_in = p2p_forward(*xs, s, 64, ring)
-        return p2p_backward(do, *xs, h_in, s, 64, ring)
+        _, h_in = p2p_forward(*xs, s, C, ring)
+        return p2p_backward(do, *xs, h_in, s, C, ring)
 
     with torch.no_grad():
         t_plain, t_p2p = time_cuda(plain, warmup, repeat), time_cuda(p2p, warmup, repeat)
@@ -361,7 +363,7 @@ def bench_layer_ops(T, warmup, repeat, rows):
 
 def accuracy(T, methods):
     """Relative L2 error of o and of every input gradient vs the fp32 eager oracle, same bf16 inputs."""
-    from cpcompile.kernels.gdn_eager import chunk_gated_delta_rule_eager
+    from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager
 
     xs, do = make_inputs(T, seed=1)
     ref_in = [x.detach().float().requires_grad_() for x in xs]
@@ -384,7 +386,7 @@ def accuracy(T, methods):
 
 
 def kernel_breakdown(T, warmup, repeat):
-    from cpcompile.kernels.triton_gdn import launch as L
+    from cpcompile.kernels.gdn.triton import launch as L
 
     (q, k, v, g, beta), do = make_inputs(T)
     q, k = _l2norm(q), _l2norm(k)
@@ -419,7 +421,7 @@ def kernel_breakdown(T, warmup, repeat):
 def api_overhead(T, warmup, repeat):
     """Where the API forward's time goes: q/k L2 norm, the custom op, the bare launches."""
     from cpcompile.kernels import chunk_gated_delta_rule
-    from cpcompile.kernels.triton_gdn import launch as L
+    from cpcompile.kernels.gdn.triton import launch as L
 
     (q, k, v, g, beta), _ = make_inputs(T)
     qn, kn = _l2norm(q), _l2norm(k)
@@ -436,8 +438,8 @@ def api_overhead(T, warmup, repeat):
 
 def ablation(T, warmup, repeat):
     """Time variants that leave a stage out (results are wrong on purpose; timing only)."""
-    from cpcompile.kernels.triton_gdn import kernels as K_
-    from cpcompile.kernels.triton_gdn import launch as L
+    from cpcompile.kernels.gdn.triton import kernels as K_
+    from cpcompile.kernels.gdn.triton import launch as L
 
     (q, k, v, g, beta), do = make_inputs(T)
     k = _l2norm(k)
@@ -456,7 +458,7 @@ def ablation(T, warmup, repeat):
 
 def tune_warps(T, warmup, repeat):
     """Try a few num_warps per kernel at one T; keep the fastest (printed, and used for the table)."""
-    from cpcompile.kernels.triton_gdn import launch as L
+    from cpcompile.kernels.gdn.triton import launch as L
 
     best = {}
     timings = {}

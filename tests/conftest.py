@@ -1,5 +1,5 @@
 """Test session set-up. Without CUDA, Triton kernels run in Triton's CPU interpreter, which
-must be chosen before `cpcompile.kernels.triton_gdn` is first imported — so here, once, rather
+must be chosen before `cpcompile.kernels.gdn.triton` is first imported — so here, once, rather
 than in each test module (import order between modules is not fixed)."""
 import os
 

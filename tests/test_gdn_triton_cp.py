@@ -1,7 +1,7 @@
 """The `triton` backend of the GDN CP wrappers (Ulysses, State-P2P) against the eager CP=1 reference.
 
 On a CPU machine the Triton kernels run in Triton's interpreter (`TRITON_INTERPRET=1`, set here
-before `cpcompile.kernels.triton_gdn` is first imported; the forked ranks inherit it, and each
+before `cpcompile.kernels.gdn.triton` is first imported; the forked ranks inherit it, and each
 rank checks that its kernels really are interpreted) at a tiny shape. With CUDA the `gpu` set
 runs bf16 at T = 4K per rank: the layer-level ops on one GPU, CP on two (NCCL).
 """
@@ -67,7 +67,7 @@ def use_core(holder: LayerHolder, backend: str) -> LayerHolder:
 
 
 def _interpreted_kernels() -> bool:
-    from cpcompile.kernels.triton_gdn import kernels
+    from cpcompile.kernels.gdn.triton import kernels
 
     return type(kernels.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"
 
@@ -338,7 +338,7 @@ class LoopbackRing:
 
 def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int) -> dict:
     """The executor over `world` segments of one sequence vs the triton core on the whole of it."""
-    from cpcompile.kernels.triton_gdn.p2p_executor import p2p_backward, p2p_forward
+    from cpcompile.kernels.gdn.triton.p2p_executor import p2p_backward, p2p_forward
 
     q, k, v, _, _, _ = _op_inputs(1, T, 2, 4, 128, 128, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)

@@ -1,9 +1,10 @@
-"""GDN kernels: the eager oracle (``gdn_eager``) and the Triton backend (``triton_gdn``).
+"""Local kernels, one folder per algorithm: ``gdn/`` (the eager oracle and the Triton backend of
+the Gated DeltaNet core).
 
 Importing this package never imports triton; ``chunk_gated_delta_rule(..., backend="triton")``
 loads it on first use.
 """
 
-from .api import chunk_gated_delta_rule
+from .gdn import chunk_gated_delta_rule
 
 __all__ = ["chunk_gated_delta_rule"]

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..gdn_ops import check_backend, require_backend  # also registers the cpcompile:: ops
+from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
+from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import CONTIGUOUS, CPMethod
 from ..registry import inner_wrapper
 
@@ -37,7 +38,6 @@ GDN_PARAMETER_ROLES = {
 }
 
 ADAPTER = "qwen3_5_gdn"
-DEFAULT_CHUNK_SIZE = 64
 # Call arguments that mean packed sequences or an inference cache: refused, never ignored.
 PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
 CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
@@ -74,8 +74,9 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
 
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
-    query = l2norm(query.reshape(batch, length, -1, key_dim))
-    key = l2norm(key.reshape(batch, length, -1, key_dim))
+    # q/k normalisation as Qwen3.5's reference does it: in fp32, and kept in fp32
+    query = l2norm(query.reshape(batch, length, -1, key_dim).float())
+    key = l2norm(key.reshape(batch, length, -1, key_dim).float())
     value = value.reshape(batch, length, -1, value_dim)
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
@@ -84,12 +85,6 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     core = core.to(value.dtype)
     core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
     return layer.out_proj(core.reshape(batch, length, -1))
-
-
-def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """q/k normalisation as Qwen3.5's reference does it: in fp32, and kept in fp32."""
-    x = x.float()
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 class GdnRegion:
@@ -129,28 +124,28 @@ def _gdn_method(name: str, wrapper: str, backend: str, chunk_size: int) -> CPMet
     check_backend(backend)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-    if backend == "triton" and chunk_size != 64:
-        raise ValueError(f"the triton GDN backend supports chunk_size=64 only, got {chunk_size}")
+    if backend == "triton" and chunk_size != CHUNK_SIZE:
+        raise ValueError(f"the triton GDN backend supports chunk_size={CHUNK_SIZE} only, got {chunk_size}")
     return CPMethod(name=name, core="gdn", wrapper=wrapper, layout=CONTIGUOUS,
                     params={"backend": backend, "chunk_size": chunk_size, "adapter": ADAPTER})
 
 
 @inner_wrapper
-def qwen3_5_gdn_ulysses_cp_wrapper(backend: str = "eager", chunk_size: int = DEFAULT_CHUNK_SIZE) -> CPMethod:
+def qwen3_5_gdn_ulysses_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
     """GDN Ulysses: q, k, v, g, β sequence→head all-to-all, full-sequence core on K/cp and V/cp
     heads, output head→sequence. K heads and V heads must divide by cp."""
     return _gdn_method("ulysses", "qwen3_5_gdn_ulysses_cp_wrapper", backend, chunk_size)
 
 
 @inner_wrapper
-def qwen3_5_gdn_p2p_cp_wrapper(backend: str = "eager", chunk_size: int = DEFAULT_CHUNK_SIZE) -> CPMethod:
+def qwen3_5_gdn_p2p_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
     """GDN State-P2P: conv halo from rank r−1, local (M, S) summary, fp32 state chain
     rank 0 → P−1 (gradient chain P−1 → 0 in backward); every rank keeps all heads."""
     return _gdn_method("p2p", "qwen3_5_gdn_p2p_cp_wrapper", backend, chunk_size)
 
 
 @inner_wrapper
-def qwen3_5_gdn_all_gather_cp_wrapper(backend: str = "eager", chunk_size: int = DEFAULT_CHUNK_SIZE) -> CPMethod:
+def qwen3_5_gdn_all_gather_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
     """GDN State-AllGather (a comparison path): all-gather every rank's (M, S), compose the
     prefix in rank order. Eager backend only."""
     if backend != "eager":

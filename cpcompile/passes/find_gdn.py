@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from .. import gdn_ops  # noqa: F401  (registers the cpcompile:: ops)
+from ..kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
 
 aten = torch.ops.aten
 GDN_CHUNK = torch.ops.cpcompile.gdn_chunk.default

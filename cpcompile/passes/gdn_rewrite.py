@@ -10,7 +10,7 @@ pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad. Then:
   (autograd runs the gradient chain P−1 → 0); the core then runs with that state.
   With the triton backend the whole rank-local P2P — summary, point-to-point state exchange with
   the ring neighbours, output, and the two-phase backward — is one `cpcompile::gdn_p2p_chunk`
-  node (why: `gdn_ops`).
+  node (why: `kernels/gdn/ops.py`).
 - all_gather: every rank's (M, S) is all-gathered and rank r composes ranks 0..r−1.
 """
 from __future__ import annotations

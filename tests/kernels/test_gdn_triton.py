@@ -19,10 +19,12 @@ HAS_CUDA = torch.cuda.is_available()  # without it, tests/conftest.py chose Trit
 pytest.importorskip("triton")
 
 from cpcompile.kernels import chunk_gated_delta_rule  # noqa: E402
-from cpcompile.kernels.gdn_eager import chunk_gated_delta_rule_eager  # noqa: E402
-from cpcompile.kernels.triton_gdn import GDNCapabilityError, chain_grad_step, chain_step  # noqa: E402
-from cpcompile.kernels.triton_gdn import capability as cap  # noqa: E402
-from cpcompile.kernels.triton_gdn import ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
+from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager  # noqa: E402
+from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step  # noqa: E402
+from cpcompile.kernels.gdn.triton import GDNCapabilityError  # noqa: E402
+from cpcompile.kernels.gdn.triton import capability as cap  # noqa: E402
+from cpcompile.kernels.gdn.triton import ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
+import gdn_p2p_ops  # noqa: E402,F401  (registers the test-only torch.ops.cpcompile_test.gdn_p2p_*)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 cpu_only = pytest.mark.skipif(not INTERPRET, reason="CPU interpreter tests (TRITON_INTERPRET=1, no CUDA)")
@@ -104,8 +106,8 @@ def test_fwd_bwd_match_oracle(B, T, Hk, Hv, K, V, dtype, h0, l2norm):
 
 
 def _p2p_run(q, k, v, g, beta, h0, do, dht, cuts, scale):
-    """Emulate State-P2P over segments with the cpcompile::gdn_p2p_* ops and the fp32 chain."""
-    ops = torch.ops.cpcompile
+    """Emulate State-P2P over segments with the cpcompile_test::gdn_p2p_* ops and the fp32 chain."""
+    ops = torch.ops.cpcompile_test
     segs = list(zip(cuts[:-1], cuts[1:]))
     sl = [lambda x, a=a, b=b: x[:, a:b].contiguous() for a, b in segs]
     saved, h_ins, h = [], [], h0
@@ -143,7 +145,7 @@ def _check_p2p(B, T, Hk, Hv, K, V, dtype, cuts, *, seed, tol):
     for sv, mt in zip(saved, mts):
         assert _rel(mt, sv[0].transpose(-1, -2)) < tol
     # each segment's (M, S) matches the oracle's summary
-    from cpcompile.kernels.gdn_eager import gdn_segment_summary
+    from cpcompile.kernels.gdn.eager import gdn_segment_summary
     a, b = cuts[0], cuts[1]
     rm, rs = gdn_segment_summary(*(x[:, a:b].double() for x in (k, v, g, beta)))
     assert _rel(saved[0][0], rm) < tol and _rel(saved[0][1], rs) < tol
@@ -154,7 +156,7 @@ P2P_VARIANTS = [pytest.param(hs, bv, id=f"hs{hs}-bv{bv}") for hs in (1, 2, 16) f
 
 
 def _p2p_variant(monkeypatch, hstride, bv):
-    from cpcompile.kernels.triton_gdn import launch
+    from cpcompile.kernels.gdn.triton import launch
 
     monkeypatch.setattr(launch, "P2P_HSTRIDE", hstride)
     monkeypatch.setattr(launch, "P2P_OUTPUT_BV", bv)
@@ -176,7 +178,7 @@ def test_p2p_pieces_match_oracle_bf16(monkeypatch):
 
 @cpu_only
 def test_p2p_output_rejects_other_hstride(monkeypatch):
-    from cpcompile.kernels.triton_gdn import launch
+    from cpcompile.kernels.gdn.triton import launch
 
     q, k, v, g, beta, state = _inputs(1, 256, 1, 1, 16, 16, torch.float32, seed=6, h0=True)
     monkeypatch.setattr(launch, "P2P_HSTRIDE", 1)
@@ -213,12 +215,12 @@ def test_opcheck_custom_ops():
     torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm.default, (x,))
     y, rstd = torch.ops.cpcompile.gdn_l2norm(x.detach())
     torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm_bwd.default, (x.detach(), rstd, torch.randn_like(y)))
-    s = torch.ops.cpcompile.gdn_p2p_fwd_summary(*det[1:5])
-    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_summary.default, tuple(det[1:5]))
-    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_fwd_output.default, (det[0], det[1], *s[2:5], s[6], det[5], 0.25))
-    d = torch.ops.cpcompile.gdn_p2p_bwd_summary(det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25)
-    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_bwd_summary.default, (det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25))
-    torch.library.opcheck(torch.ops.cpcompile.gdn_p2p_bwd_finish.default,
+    s = torch.ops.cpcompile_test.gdn_p2p_fwd_summary(*det[1:5])
+    torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_fwd_summary.default, tuple(det[1:5]))
+    torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_fwd_output.default, (det[0], det[1], *s[2:5], s[6], det[5], 0.25))
+    d = torch.ops.cpcompile_test.gdn_p2p_bwd_summary(det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25)
+    torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_bwd_summary.default, (det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25))
+    torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_bwd_finish.default,
                           (*det[:5], *s[2:6], torch.randn_like(o), det[5], d[2], d[3], torch.randn_like(ht), 0.25))
 
 
@@ -294,7 +296,7 @@ def test_import_does_not_need_triton():
         "sys.meta_path.insert(0, Block())\n"
         "import torch, cpcompile, cpcompile.kernels\n"
         "from cpcompile.kernels import chunk_gated_delta_rule\n"
-        "assert 'cpcompile.kernels.triton_gdn' not in sys.modules\n"
+        "assert 'cpcompile.kernels.gdn.triton' not in sys.modules\n"
         "x = torch.randn(1, 8, 1, 16)\n"
         "o, _ = chunk_gated_delta_rule(x, x, x, -torch.rand(1, 8, 1), torch.rand(1, 8, 1), backend='eager')\n"
         "assert o.shape == (1, 8, 1, 16)\n"

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-BACKENDS = ("eager", "triton")
+from .common import CHUNK_SIZE, check_backend
 
 
 def chunk_gated_delta_rule(
@@ -27,22 +27,21 @@ def chunk_gated_delta_rule(
     use_qk_l2norm_in_kernel: bool = False,
     backend: str = "triton",
 ) -> tuple[Tensor, Tensor | None]:
-    """Chunked gated delta rule (chunk 64). ``backend="eager"`` runs the pure-PyTorch oracle,
+    """Chunked gated delta rule (chunks of ``CHUNK_SIZE``). ``backend="eager"`` runs the pure-PyTorch oracle,
     ``backend="triton"`` cpcompile's Triton kernels (capability-checked, no fallback)."""
+    check_backend(backend)
     if backend == "eager":
-        from .gdn_eager import chunk_gated_delta_rule_eager
+        from .eager import chunk_gated_delta_rule_eager
 
         return chunk_gated_delta_rule_eager(
-            q, k, v, g, beta, scale=scale, initial_state=initial_state,
+            q, k, v, g, beta, chunk_size=CHUNK_SIZE, scale=scale, initial_state=initial_state,
             output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel)
-    if backend != "triton":
-        raise ValueError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
 
-    from .triton_gdn.capability import check_inputs, require_triton
+    from .triton.capability import check_inputs, require_triton
 
     check_inputs(q, k, v, g, beta, initial_state)
     require_triton()
-    from .triton_gdn import ops as _ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
+    from .triton import ops as _ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
 
     if use_qk_l2norm_in_kernel:
         # one Triton pass each (fwd and bwd); the same formula in eager PyTorch was measured at

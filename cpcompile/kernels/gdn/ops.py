@@ -6,13 +6,13 @@
                                                  # triton State-P2P: one rank's core and its chain
 
 q and k arrive already L2-normalised (the layer does that in the graph), g is the log decay,
-beta the write strength; layouts as in `cpcompile.kernels.gdn_eager`. Each op has a fake
+beta the write strength; layouts as in `cpcompile.kernels.gdn.eager`. Each op has a fake
 implementation and an autograd formula (a backward op), so graphs holding them export, compile
 and differentiate like ATen ops.
 
 Backends: `eager` runs the pure-PyTorch oracle (backward: recompute under `torch.func.vjp`);
-`triton` runs cpcompile's Triton kernels forward and backward (`kernels.triton_gdn.backend`, and
-`kernels.triton_gdn.p2p_executor` for `gdn_p2p_chunk`), with
+`triton` runs cpcompile's Triton kernels forward and backward (`triton.backend`, and
+`triton.p2p_executor` for `gdn_p2p_chunk`), with
 the capability check at region build (`require_backend`), at trace time (fake impls) and at run
 time — never a fallback. Triton is imported only when the triton backend is used.
 """
@@ -21,14 +21,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .kernels import gdn_eager
-
-BACKENDS = ("eager", "triton")
-
-
-def check_backend(backend: str) -> None:
-    if backend not in BACKENDS:
-        raise ValueError(f"GDN backend must be one of {BACKENDS}, got {backend!r}")
+from . import eager
+from .common import check_backend
 
 
 def require_backend(backend: str) -> None:
@@ -41,20 +35,20 @@ def require_backend(backend: str) -> None:
     """
     check_backend(backend)
     if backend == "triton":
-        from .kernels.triton_gdn.capability import check_environment
+        from .triton.capability import check_environment
 
         check_environment()
 
 
 def _triton():
-    from .kernels.triton_gdn import backend as triton_backend  # imports triton: first use only
+    from .triton import backend as triton_backend  # imports triton: first use only
 
     return triton_backend
 
 
 def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     """Input and device capabilities on (fake) tensor metadata: a region fails at trace time."""
-    from .kernels.triton_gdn.capability import cast_and_check
+    from .triton.capability import cast_and_check
 
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
@@ -63,7 +57,7 @@ def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tenso
     check_backend(backend)
     if backend == "triton":
         return _triton().chunk_forward(q, k, v, g, beta, initial_state, scale, chunk_size)
-    out, _ = gdn_eager.chunk_gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
+    out, _ = eager.chunk_gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
                                                     initial_state=initial_state)
     return out.contiguous()  # the fake implementation promises a contiguous result
 
@@ -77,7 +71,7 @@ def _eager_summary_only(backend: str) -> None:
 
 def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
     _eager_summary_only(backend)
-    m, s = gdn_eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
+    m, s = eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
     return m.contiguous(), s.contiguous()
 
 
@@ -173,7 +167,7 @@ def gdn_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int, 
 
 def _summary_shapes(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[list[int], list[int], torch.dtype]:
     batch, heads, key_dim, value_dim = k.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
-    return [batch, heads, key_dim, key_dim], [batch, heads, key_dim, value_dim], gdn_eager.compute_dtype(k, v, g, beta)
+    return [batch, heads, key_dim, key_dim], [batch, heads, key_dim, value_dim], eager.compute_dtype(k, v, g, beta)
 
 
 @gdn_summary.register_fake
@@ -215,7 +209,7 @@ gdn_summary.register_autograd(_summary_grad, setup_context=_summary_setup)
 # --------------------------------------------------------------------------- gdn_p2p_chunk (triton)
 #
 # State-P2P with the Triton kernels is one op, forward and backward, whose implementation talks to
-# its ring neighbours itself (`kernels.triton_gdn.p2p_executor`). Why not graph nodes around a
+# its ring neighbours itself (`triton.p2p_executor`). Why not graph nodes around a
 # visible chain, as the eager backend has: the split kernels need the backward in two phases
 # around the reverse state-gradient chain (local state-gradient summary -> receive dH_out -> send
 # dH_in -> finish the input gradients). Separate summary and core nodes would instead get autograd's
@@ -224,7 +218,7 @@ gdn_summary.register_autograd(_summary_grad, setup_context=_summary_setup)
 
 
 def _ring(group_name: str, rank: int, world: int):
-    from .kernels.triton_gdn.p2p_executor import Ring
+    from .triton.p2p_executor import Ring
 
     return Ring.of(group_name, rank, world)
 
@@ -233,7 +227,7 @@ def _ring(group_name: str, rank: int, world: int):
 def gdn_p2p_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int,
                   group_name: str, rank: int, world: int) -> tuple[Tensor, Tensor]:
     """-> (o, H_in): this rank's core output and the fp32 state that entered its segment."""
-    from .kernels.triton_gdn.p2p_executor import p2p_forward
+    from .triton.p2p_executor import p2p_forward
 
     return p2p_forward(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
 
@@ -249,7 +243,7 @@ def _(q, k, v, g, beta, scale, chunk_size, group_name, rank, world):
 def gdn_p2p_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                            h_in: Tensor, scale: float, chunk_size: int, group_name: str, rank: int,
                            world: int) -> list[Tensor]:
-    from .kernels.triton_gdn.p2p_executor import p2p_backward
+    from .triton.p2p_executor import p2p_backward
 
     return p2p_backward(grad_out, q, k, v, g, beta, h_in, scale, chunk_size, _ring(group_name, rank, world))
 

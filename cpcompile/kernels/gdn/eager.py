@@ -31,7 +31,7 @@ Chunkwise (WY / UT-transform) form, per chunk of ``C`` tokens entered with state
 So every chunk's ``(M_c, S_c)`` summary is computed in parallel; the only serial part is the tiny
 chain ``H_{c+1} = M_c H_c + S_c``, after which all outputs are again one batched computation. The
 same per-chunk summaries, tree-reduced, give a segment's ``(M, S)`` for State-P2P / AllGather CP.
-The affine algebra on summaries lives in ``gdn_eager_summary`` and is re-exported here.
+The affine algebra on summaries lives in ``summary``.
 """
 
 from __future__ import annotations
@@ -42,41 +42,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from cpcompile.kernels.gdn_eager_summary import (
-    apply_summary,
-    chain_state_grads,
-    combine_summaries,
-    compose_summaries,
-    reduce_summaries_over_chunks,
-    summary_adjoint,
-)
+from .common import CHUNK_SIZE, l2norm
+from .summary import apply_summary, reduce_summaries_over_chunks, summary_adjoint
 
 __all__ = [
-    "L2NORM_EPS",
-    "apply_summary",
-    "chain_state_grads",
     "chunk_gated_delta_rule_eager",
-    "combine_summaries",
-    "compose_summaries",
     "compute_dtype",
     "expand_key_heads",
     "gdn_local_state_grad",
     "gdn_segment_summary",
-    "l2_normalize",
     "naive_recurrent_gated_delta_rule",
     "prepare_qk",
-    "summary_adjoint",
 ]
 
-L2NORM_EPS = 1e-6  # transformers' (and fla's) epsilon for q/k L2 normalisation
-
-
 # ----------------------------------------------------------------------------- input preparation
-
-
-def l2_normalize(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:
-    """``x * rsqrt(sum(x^2, -1) + eps)``: the exact formula transformers uses, eps inside the root."""
-    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
 def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
@@ -101,7 +80,7 @@ def prepare_qk(
     """
     q, k = q.to(dtype), k.to(dtype)
     if use_qk_l2norm_in_kernel:
-        q, k = l2_normalize(q), l2_normalize(k)
+        q, k = l2norm(q), l2norm(k)
     return q, k
 
 
@@ -154,7 +133,7 @@ def _prepare(
         scale = q.shape[-1] ** -0.5 if scale is None else scale
         q = expand_key_heads(q, num_v_heads).transpose(1, 2) * scale
     else:
-        k = l2_normalize(k.to(dtype)) if use_qk_l2norm_in_kernel else k.to(dtype)
+        k = l2norm(k.to(dtype)) if use_qk_l2norm_in_kernel else k.to(dtype)
     k = expand_key_heads(k, num_v_heads).transpose(1, 2)
     v = None if v is None else v.to(dtype).transpose(1, 2)
     return _HeadMajor(q, k, v, g.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2))
@@ -306,7 +285,7 @@ def chunk_gated_delta_rule_eager(
     g: Tensor,
     beta: Tensor,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
@@ -343,7 +322,7 @@ def gdn_segment_summary(
     g: Tensor,
     beta: Tensor,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """``(M [B,Hv,K,K], S [B,Hv,K,V])`` of a whole segment, in the compute dtype (fp32/float64).
@@ -372,7 +351,7 @@ def gdn_local_state_grad(
     beta: Tensor,
     d_o: Tensor,
     *,
-    chunk_size: int = 64,
+    chunk_size: int = CHUNK_SIZE,
     scale: float | None = None,
     use_qk_l2norm_in_kernel: bool = False,
 ) -> Tensor:

@@ -14,10 +14,8 @@ import os
 import torch
 from torch import Tensor
 
+from ..common import CHUNK_SIZE, L2NORM_EPS
 from . import kernels as _k
-from .chain import chain_grad_step, chain_step  # noqa: F401  (re-exported)
-
-CHUNK = 64
 
 # num_warps / num_stages per kernel (tuned on an H200, see benchmarks/); benchmarks may override.
 NUM_WARPS = {"prepare": 4, "state": 8, "state_aug": 4, "output": 4, "p2p_output": 4, "dv_local": 4, "bwd_state": 4,
@@ -44,7 +42,7 @@ def _flags(dtype: torch.dtype) -> dict:
 def _dims(q: Tensor | None, k: Tensor, v: Tensor):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
-    return B, T, Hk, Hv, K, V, triton_cdiv(T, CHUNK)
+    return B, T, Hk, Hv, K, V, triton_cdiv(T, CHUNK_SIZE)
 
 
 def triton_cdiv(a: int, b: int) -> int:
@@ -93,9 +91,9 @@ def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
     gc = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=k.dtype)
-    tinv = torch.empty(B, T, Hv, CHUNK, device=k.device, dtype=torch.float32)
+    tinv = torch.empty(B, T, Hv, CHUNK_SIZE, device=k.device, dtype=torch.float32)
     _k.gdn_fwd_prepare_kernel[(NT, B * Hv)](
-        k, v, g, beta, gc, w, u, tinv, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK, LOG2_BT=int(math.log2(CHUNK)),
+        k, v, g, beta, gc, w, u, tinv, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, LOG2_BT=int(math.log2(CHUNK_SIZE)),
         num_warps=NUM_WARPS["prepare"], **_flags(k.dtype))
     return gc, w, u, tinv
 
@@ -115,7 +113,7 @@ def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, nx
     ht = torch.empty(B, Hv, K, NS, device=k.device, dtype=torch.float32)
     _k.gdn_fwd_state_kernel[(NS // BV, B * Hv)](
         k, w, u, gc, h0 if h0 is not None else ht, hbuf, vnbuf if store_vn else hbuf, ht, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NX=nx, BT=CHUNK, BV=BV, HS=hstride, STORE_VN=store_vn, USE_H0=h0 is not None,
+        Hk=Hk, Hv=Hv, K=K, V=V, NX=nx, BT=CHUNK_SIZE, BV=BV, HS=hstride, STORE_VN=store_vn, USE_H0=h0 is not None,
         num_warps=NUM_WARPS[key], num_stages=_stages(key, k.dtype), **_flags(k.dtype))
     return hbuf, vnbuf, ht
 
@@ -124,11 +122,11 @@ def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, sc
     """Output from a plain state pass's per-chunk entering states and updates."""
     B, T, Hk, K = q.shape
     Hv, V = gc.shape[2], vnbuf.shape[-1]
-    NT, BV = triton_cdiv(T, CHUNK), _output_bv(V)
+    NT, BV = triton_cdiv(T, CHUNK_SIZE), _output_bv(V)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
     _k.gdn_fwd_output_kernel[(V // BV, NT, B * Hv)](
         q, k, gc, hbuf, vnbuf, o, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK, BV=BV, num_warps=NUM_WARPS["output"], **_flags(q.dtype))
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, num_warps=NUM_WARPS["output"], **_flags(q.dtype))
     return o
 
 
@@ -138,14 +136,14 @@ def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Ten
     chunk), prepare's ``w``, ``u`` and the incoming state ``h_in`` fp32 [B,Hv,K,V]."""
     B, T, Hk, K = q.shape
     Hv, V = u.shape[2], u.shape[3]
-    NT, HS = triton_cdiv(T, CHUNK), P2P_HSTRIDE
+    NT, HS = triton_cdiv(T, CHUNK_SIZE), P2P_HSTRIDE
     if hbuf.shape[1] != triton_cdiv(NT, HS):
         raise ValueError(f"GDN State-P2P: the summary stored {hbuf.shape[1]} states for {NT} chunks, but "
                          f"P2P_HSTRIDE is {HS}: summary and output must run with the same setting")
     BV = _p2p_output_bv(V, q.dtype)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
     _k.gdn_p2p_output_kernel[(V // BV, triton_cdiv(NT, HS), B * Hv)](
-        q, k, w, u, gc, hbuf, h_in, o, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, HS=HS, BT=CHUNK, BV=BV,
+        q, k, w, u, gc, hbuf, h_in, o, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, HS=HS, BT=CHUNK_SIZE, BV=BV,
         num_warps=NUM_WARPS["p2p_output"], num_stages=_stages("p2p_output", q.dtype), **_flags(q.dtype))
     return o
 
@@ -166,8 +164,8 @@ def bwd_dv_local(q, k, gc, do, scale):
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     dvl = torch.empty(B, T, Hv, V, device=q.device, dtype=torch.float32)
-    _k.gdn_bwd_dv_local_kernel[(triton_cdiv(T, CHUNK), B * Hv)](
-        q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK,
+    _k.gdn_bwd_dv_local_kernel[(triton_cdiv(T, CHUNK_SIZE), B * Hv)](
+        q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE,
         num_warps=NUM_WARPS["dv_local"], **_flags(q.dtype))
     return dvl
 
@@ -177,13 +175,13 @@ def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0):
     dh0 fp32 [B,Hv,K,ny+V]). ``ny = K`` carries the transposed suffix products beside them."""
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    NT, NS, BV = triton_cdiv(T, CHUNK), ny + V, _state_bv(K, V, ny > 0)
+    NT, NS, BV = triton_cdiv(T, CHUNK_SIZE), ny + V, _state_bv(K, V, ny > 0)
     dhbuf = torch.empty(B, NT, Hv, K, NS, device=q.device, dtype=q.dtype)
     dvnbuf = torch.empty(B, T, Hv, NS, device=q.device, dtype=torch.float32)
     dh0 = torch.empty(B, Hv, K, NS, device=q.device, dtype=torch.float32)
     _k.gdn_bwd_state_kernel[(NS // BV, B * Hv)](
         q, k, w, gc, do, dvl, dht if dht is not None else dh0, dhbuf, dvnbuf, dh0, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NX=ny, BT=CHUNK, BV=BV, USE_DHT=dht is not None,
+        Hk=Hk, Hv=Hv, K=K, V=V, NX=ny, BT=CHUNK_SIZE, BV=BV, USE_DHT=dht is not None,
         num_warps=NUM_WARPS["bwd_state"], num_stages=_stages("bwd_state", q.dtype), **_flags(q.dtype))
     return dhbuf, dvnbuf, dh0
 
@@ -191,7 +189,7 @@ def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0):
 def bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale, dh_out: Tensor | None = None, ny: int = 0):
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    NT, BV = triton_cdiv(T, CHUNK), _bv(K, V)
+    NT, BV = triton_cdiv(T, CHUNK_SIZE), _bv(K, V)
     f32 = dict(device=q.device, dtype=torch.float32)
     dq = torch.empty(B, T, Hv, K, **f32)
     dk = torch.empty(B, T, Hv, K, **f32)
@@ -201,7 +199,7 @@ def bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale, dh_out: Tensor | 
     _k.gdn_bwd_inter_kernel[(NT, B * Hv)](
         q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, dh_out if dh_out is not None else dq, du if du is not None else dq,
         dq, dk, dw, dgc, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NSH=vnbuf.shape[-1], NY=ny, BT=CHUNK, BV=BV,
+        Hk=Hk, Hv=Hv, K=K, V=V, NSH=vnbuf.shape[-1], NY=ny, BT=CHUNK_SIZE, BV=BV,
         num_warps=NUM_WARPS["inter"], num_stages=_stages("inter", q.dtype, wide=ny > 0), **_flags(q.dtype))
     return dq, dk, dw, dgc, du
 
@@ -213,13 +211,13 @@ def bwd_prepare(k, v, beta, gc, tinv, dw, du, du_off, dk, dgc):
     dv = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
-    dT = torch.empty(B, T, Hv, CHUNK, device=k.device, dtype=torch.float32)
+    dT = torch.empty(B, T, Hv, CHUNK_SIZE, device=k.device, dtype=torch.float32)
     _k.gdn_bwd_wy_kernel[(NT, B * Hv)](
         k, v, beta, gc, tinv, dw, du, dk, dgc, dT, dv, dbeta, T, du.shape[-1], du_off,
-        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK, num_warps=NUM_WARPS["bwd_wy"], **_flags(k.dtype))
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, num_warps=NUM_WARPS["bwd_wy"], **_flags(k.dtype))
     _k.gdn_bwd_tri_kernel[(NT, B * Hv)](
         k, beta, gc, tinv, dT, dk, dgc, dbeta, dg, T,
-        Hk=Hk, Hv=Hv, K=K, BT=CHUNK, num_warps=NUM_WARPS["bwd_tri"], **_flags(k.dtype))
+        Hk=Hk, Hv=Hv, K=K, BT=CHUNK_SIZE, num_warps=NUM_WARPS["bwd_tri"], **_flags(k.dtype))
     return dk, dv, dbeta, dg
 
 
@@ -299,7 +297,6 @@ def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, s
 
 # ----------------------------------------------------------------------------- q/k L2 norm
 
-L2NORM_EPS = 1e-6  # transformers' / fla's epsilon, inside the root
 L2NORM_ROWS = 32
 
 

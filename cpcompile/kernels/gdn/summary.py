@@ -1,4 +1,4 @@
-"""Affine state summaries of Gated DeltaNet segments, and their algebra.
+"""Affine state summaries of Gated DeltaNet segments, and their algebra — the one home of it.
 
 A GDN segment (a chunk, a rank's local slice, a whole sequence) acts on the recurrent state
 ``H [B, Hv, K, V]`` as an affine map::
@@ -7,7 +7,8 @@ A GDN segment (a chunk, a rank's local slice, a whole sequence) acts on the recu
 
 ``M`` is the product of the per-token transitions ``exp(g_t) (I - beta_t k_t k_t^T)`` (later tokens
 on the left) and ``S`` is the state the segment produces from ``H_in = 0``. Everything here is pure
-linear algebra on such pairs; how a pair is computed from tokens lives in ``gdn_eager``.
+linear algebra on such pairs; how a pair is computed from tokens lives in ``eager`` (and, for the
+``triton`` backend, in the augmented state passes of ``triton.launch``).
 
 Order matters everywhere: summaries compose like matrices, so "earlier, later" is not the same as
 "later, earlier". Lists are always in sequence (= CP rank) order, earliest first.
@@ -15,11 +16,11 @@ Order matters everywhere: summaries compose like matrices, so "earlier, later" i
 The backward of ``H_out = M @ H_in + S`` w.r.t. ``H_in`` is ``M^T @ dH_out``; a segment's own
 outputs add a "local" term that does not depend on ``H_in`` (the outputs are affine in it), so the
 state gradient flows from the last rank to the first as ``dH_in = local + M^T @ dH_out``.
+``chain_step`` / ``chain_grad_step`` are those two steps in fp32, as a State-P2P rank runs them
+between receiving and sending.
 """
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 from torch import Tensor
@@ -39,6 +40,18 @@ def summary_adjoint(M: Tensor, d_h_out: Tensor) -> Tensor:
     return M.transpose(-1, -2) @ d_h_out.to(M.dtype)
 
 
+def chain_step(M: Tensor, S: Tensor, h_in: Tensor | None) -> Tensor:
+    """Forward step of the State-P2P chain in fp32: ``H_out = M @ H_in + S`` (``None``: zero state)."""
+    return S.float().clone() if h_in is None else apply_summary(M.float(), S.float(), h_in.float())
+
+
+def chain_grad_step(M: Tensor, dh_local: Tensor, dh_out: Tensor | None) -> Tensor:
+    """Backward step in fp32: ``dH_in = dH_local + M^T @ dH_out`` (``dH_out = None`` means zero)."""
+    if dh_out is None:
+        return dh_local.float().clone()
+    return dh_local.float() + summary_adjoint(M.float(), dh_out.float())
+
+
 def combine_summaries(earlier: Summary, later: Summary) -> Summary:
     """Summary of ``earlier`` followed by ``later``: ``(M2 M1, M2 S1 + S2)``.
 
@@ -47,49 +60,6 @@ def combine_summaries(earlier: Summary, later: Summary) -> Summary:
     m_first, s_first = earlier
     m_next, s_next = later
     return m_next @ m_first, m_next @ s_first + s_next
-
-
-def compose_summaries(summaries: Sequence[Summary], initial_state: Tensor | None = None) -> list[Tensor]:
-    """Prefix states of a chain of segments given in rank (sequence) order.
-
-    Returns ``P + 1`` states for ``P`` summaries: entry ``r`` is the state entering segment ``r``
-    (entry 0 is ``initial_state``, zeros when ``None``) and entry ``P`` is the final state. This is
-    the serial State-P2P chain written out on one process; State-AllGather computes the same
-    prefixes after gathering every rank's pair.
-    """
-    if not summaries:
-        raise ValueError("compose_summaries needs at least one (M, S) summary")
-    first_s = summaries[0][1]
-    state = torch.zeros_like(first_s) if initial_state is None else initial_state.to(first_s.dtype)
-    states = [state]
-    for m, s in summaries:
-        state = apply_summary(m, s, state)
-        states.append(state)
-    return states
-
-
-def chain_state_grads(
-    local_grads: Sequence[Tensor], summaries: Sequence[Summary], d_final_state: Tensor | None = None
-) -> list[Tensor]:
-    """Reverse state-gradient chain ``dH_r = local_r + M_r^T dH_{r+1}``, segments in rank order.
-
-    ``local_grads[r]`` is the gradient of the loss w.r.t. the state entering segment ``r`` through
-    that segment's own outputs only (see ``gdn_eager.gdn_local_state_grad``). Returns ``P + 1``
-    gradients aligned with ``compose_summaries``: entry ``r`` is ``dL/dH`` entering segment ``r``
-    (entry 0 is the initial-state gradient), entry ``P`` is ``d_final_state`` (zeros when ``None``).
-    """
-    if len(local_grads) != len(summaries) or not summaries:
-        raise ValueError(
-            f"chain_state_grads needs one local gradient per summary, got {len(local_grads)} "
-            f"local gradients for {len(summaries)} summaries"
-        )
-    grad = torch.zeros_like(local_grads[-1]) if d_final_state is None else d_final_state.to(local_grads[-1].dtype)
-    grads = [grad]
-    for local, (m, _) in zip(reversed(local_grads), reversed(summaries)):
-        grad = local + summary_adjoint(m, grad)
-        grads.append(grad)
-    grads.reverse()
-    return grads
 
 
 def reduce_summaries_over_chunks(M: Tensor, S: Tensor) -> Summary:

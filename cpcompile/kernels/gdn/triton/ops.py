@@ -3,10 +3,10 @@
 - ``cpcompile::gdn_chunk_fwd`` / ``cpcompile::gdn_chunk_bwd``: the local core, with autograd
   (``gdn_chunk_fwd`` also returns what its backward needs: gate cumsum ``gc``, ``w``, ``u`` and the
   per-chunk ``(I + A)^-1``; they are not differentiable).
-- ``cpcompile::gdn_p2p_fwd_summary`` / ``gdn_p2p_fwd_output`` / ``gdn_p2p_bwd_summary`` /
-  ``gdn_p2p_bwd_finish``: the State-P2P pieces, without autograd, for callers that run their own
-  chain between them (cpcompile's CP executor, ``p2p_executor`` inside ``cpcompile::gdn_p2p_chunk``,
-  calls the same launch functions directly).
+- ``cpcompile::gdn_l2norm`` / ``gdn_l2norm_bwd``: the q/k L2 norm, with autograd.
+
+State-P2P has no kernel-level ops here: its executor (``p2p_executor``, inside the layer-level
+``cpcompile::gdn_p2p_chunk``) calls the launch functions directly.
 
 Every op has a fake (meta) implementation so it traces as one node under ``torch.export`` and
 ``torch.compile``. The device capability check runs inside the real implementations (first use).
@@ -19,18 +19,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ..common import CHUNK_SIZE
 from . import launch
 from .capability import check_device
-
-CHUNK = launch.CHUNK
 
 
 def _c(t: Optional[Tensor]) -> Optional[Tensor]:
     return t.contiguous() if t is not None else None
-
-
-def _nt(T: int) -> int:
-    return (T + CHUNK - 1) // CHUNK
 
 
 # ----------------------------------------------------------------------------- local core
@@ -51,7 +46,7 @@ def _(q, k, v, g, beta, initial_state, scale):
     Hv, V = v.shape[2], v.shape[3]
     f32 = torch.float32
     return (q.new_empty(B, T, Hv, V), q.new_empty(B, Hv, K, V, dtype=f32), q.new_empty(B, T, Hv, dtype=f32),
-            k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V), q.new_empty(B, T, Hv, CHUNK, dtype=f32))
+            k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V), q.new_empty(B, T, Hv, CHUNK_SIZE, dtype=f32))
 
 
 @torch.library.custom_op("cpcompile::gdn_chunk_bwd", mutates_args=())
@@ -92,78 +87,6 @@ def _backward(ctx, do, dht, _dgc, _dw, _du, _dtinv):
 
 
 gdn_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ----------------------------------------------------------------------------- State-P2P pieces
-
-
-@torch.library.custom_op("cpcompile::gdn_p2p_fwd_summary", mutates_args=())
-def gdn_p2p_fwd_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], gc, w, u, tinv, hbuf); ``H_out = M H_in + S``.
-    ``hbuf`` [B, cdiv(NT, launch.P2P_HSTRIDE), Hv, K, K+V]: entering states ``[P | h0]`` of every
-    ``P2P_HSTRIDE``-th chunk."""
-    check_device(k.device.type, k.device.index)
-    M, S, saved = launch.p2p_fwd_summary(_c(k), _c(v), _c(g), _c(beta))
-    return (M.contiguous(), S.contiguous(), *saved)
-
-
-@gdn_p2p_fwd_summary.register_fake
-def _(k, v, g, beta):
-    B, T, Hk, K = k.shape
-    Hv, V = v.shape[2], v.shape[3]
-    f32 = torch.float32
-    return (k.new_empty(B, Hv, K, K, dtype=f32), k.new_empty(B, Hv, K, V, dtype=f32),
-            k.new_empty(B, T, Hv, dtype=f32), k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V),
-            k.new_empty(B, T, Hv, CHUNK, dtype=f32),
-            k.new_empty(B, launch.triton_cdiv(_nt(T), launch.P2P_HSTRIDE), Hv, K, K + V))
-
-
-@torch.library.custom_op("cpcompile::gdn_p2p_fwd_output", mutates_args=())
-def gdn_p2p_fwd_output(q: Tensor, k: Tensor, gc: Tensor, w: Tensor, u: Tensor, hbuf: Tensor, h_in: Tensor,
-                       scale: float) -> Tensor:
-    """Output given the incoming state ``h_in`` fp32 [B,Hv,K,V], from the summary's saved tensors."""
-    check_device(q.device.type, q.device.index)
-    return launch.p2p_output(_c(q), _c(k), _c(w), _c(u), _c(gc), _c(hbuf), h_in.float().contiguous(), scale)
-
-
-@gdn_p2p_fwd_output.register_fake
-def _(q, k, gc, w, u, hbuf, h_in, scale):
-    return q.new_empty(u.shape)
-
-
-@torch.library.custom_op("cpcompile::gdn_p2p_bwd_summary", mutates_args=())
-def gdn_p2p_bwd_summary(q: Tensor, k: Tensor, w: Tensor, gc: Tensor, do: Tensor, scale: float
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (dH_local fp32 [B,Hv,K,V], M^T fp32 [B,Hv,K,K], dhbuf, dvnbuf). ``dH_in = dH_local + M^T dH_out``."""
-    check_device(q.device.type, q.device.index)
-    dh_local, mt, (dhbuf, dvnbuf) = launch.p2p_bwd_summary(_c(q), _c(k), _c(w), _c(gc), _c(do), scale)
-    return dh_local.contiguous(), mt.contiguous(), dhbuf, dvnbuf
-
-
-@gdn_p2p_bwd_summary.register_fake
-def _(q, k, w, gc, do, scale):
-    B, T, Hk, K = k.shape
-    Hv, V = do.shape[2], do.shape[3]
-    f32 = torch.float32
-    return (q.new_empty(B, Hv, K, V, dtype=f32), q.new_empty(B, Hv, K, K, dtype=f32),
-            q.new_empty(B, _nt(T), Hv, K, K + V), q.new_empty(B, T, Hv, K + V, dtype=f32))
-
-
-@torch.library.custom_op("cpcompile::gdn_p2p_bwd_finish", mutates_args=())
-def gdn_p2p_bwd_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, gc: Tensor, w: Tensor, u: Tensor,
-                       tinv: Tensor, do: Tensor, h_in: Optional[Tensor], dhbuf: Tensor, dvnbuf: Tensor,
-                       dh_out: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (dq, dk, dv, dg, dbeta) once the incoming state and the leaving-state gradient are known."""
-    check_device(q.device.type, q.device.index)
-    return launch.p2p_bwd_finish(_c(q), _c(k), _c(v), _c(g), _c(beta), _c(gc), _c(w), _c(u), _c(tinv), _c(do),
-                                 h_in, (_c(dhbuf), _c(dvnbuf)), dh_out, scale)
-
-
-@gdn_p2p_bwd_finish.register_fake
-def _(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dhbuf, dvnbuf, dh_out, scale):
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
-            torch.empty_like(beta))
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm

@@ -18,9 +18,10 @@ import os
 import torch
 from torch import Tensor
 
+from ..common import CHUNK_SIZE
+
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
-CHUNK_SIZE = 64
 MIN_CUDA_CC = (8, 0)
 MIN_TRITON_ASCEND = (3, 2, 1)
 

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..summary import chain_grad_step, chain_step
 from . import launch
 from .capability import cast_and_check
 
@@ -87,7 +88,7 @@ def p2p_forward(q, k, v, g, beta, scale: float, chunk_size: int, ring: Ring) -> 
     else:
         m, s, saved = launch.p2p_fwd_summary(kd, v, g, beta)
         h_in = _received(incoming)
-        sent = ring.send(launch.chain_step(m, s, h_in), +1)
+        sent = ring.send(chain_step(m, s, h_in), +1)
         o = launch.p2p_fwd_output(qd, kd, saved, h_in, scale)
     if sent is not None:
         sent.wait()  # the send buffer must outlive the transfer
@@ -105,7 +106,7 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
     dh_out = _received(incoming)
     sent = None
     if ring.rank > 0:
-        sent = ring.send(launch.chain_grad_step(m_t.mT, dh_local, dh_out), -1)
+        sent = ring.send(chain_grad_step(m_t.mT, dh_local, dh_out), -1)
     grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale,
                                   qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
     if sent is not None:

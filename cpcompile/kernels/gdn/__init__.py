@@ -1,0 +1,16 @@
+"""The Gated DeltaNet (GDN) core, one folder per algorithm (as flash-linear-attention keeps them):
+
+- ``common``  backend names, the chunk length, the q/k L2 norm — stated once;
+- ``api``     ``chunk_gated_delta_rule``: one entry point over both backends;
+- ``ops``     the layer-level ``cpcompile::gdn_*`` custom ops the Qwen3.5 adapter traces and the GDN
+              rewrites emit (fake implementation + autograd each);
+- ``eager``   the pure-PyTorch oracle (token recurrence, chunkwise form, segment summaries);
+- ``summary`` the affine algebra of segment summaries ``H_out = M @ H_in + S``;
+- ``triton/`` cpcompile's Triton kernels (the ``triton`` backend).
+
+Importing this package never imports triton, nor registers the custom ops (``ops`` does).
+"""
+from .api import chunk_gated_delta_rule
+from .common import BACKENDS, CHUNK_SIZE, L2NORM_EPS, check_backend, l2norm
+
+__all__ = ["BACKENDS", "CHUNK_SIZE", "L2NORM_EPS", "check_backend", "chunk_gated_delta_rule", "l2norm"]

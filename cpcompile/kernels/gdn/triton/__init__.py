@@ -1,0 +1,24 @@
+"""cpcompile's own Triton kernels for the Gated DeltaNet core.
+
+Importing this package does not import triton: ``capability`` is pure PyTorch; ``ops`` (which
+registers the ``cpcompile::gdn_*`` kernel-level custom ops), ``backend`` (the ``triton`` backend of
+``cpcompile.kernels.gdn.ops``), ``launch`` and ``kernels`` load triton and are imported on first
+attribute access. The State-P2P chain steps are ``cpcompile.kernels.gdn.summary.chain_step`` /
+``chain_grad_step``.
+"""
+
+import importlib
+
+from .capability import GDNCapabilityError, check, check_device, check_environment, check_inputs, require_triton
+
+_LAZY = ("ops", "launch", "kernels", "backend")
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(name)
+
+
+__all__ = ["GDNCapabilityError", "check", "check_device", "check_environment", "check_inputs",
+           "require_triton", *_LAZY]
