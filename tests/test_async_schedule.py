@@ -27,7 +27,7 @@ def _region_schedule(gm, roles: dict) -> list[dict]:
     """Per launch of a region graph: its signature and where it sits relative to its neighbours."""
     from cpcompile import collectives as C
     from cpcompile.dump import collective_report
-    from cpcompile.passes.find_cores import SDPA
+    from cpcompile.passes.sdpa.match import SDPA
     from cpcompile.passes.schedule import group_of
 
     nodes = list(gm.graph.nodes)

@@ -32,7 +32,7 @@ def _group_roles(mesh, method: str) -> dict:
 
 def _layer_collectives(layer, roles: dict) -> list:
     from cpcompile import collectives as C
-    from cpcompile.passes.find_cores import SDPA
+    from cpcompile.passes.sdpa.match import SDPA
 
     (program,) = layer.self_attn.forward.programs.values()
     nodes = list(program.gm.graph.nodes)

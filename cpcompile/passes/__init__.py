@@ -3,15 +3,16 @@
 Passes are plain functions `name_pass(gm, ctx) -> gm`, run in this order:
 
 1. `find_cores_pass`   — the region holds the core kind its method rewrites (checks.py)
-2. `sdpa_rewrite_pass` — SDPA cores → collectives + local attention (sdpa_rewrite.py)
-   `gdn_rewrite_pass`  — GDN layers → conv halo + Ulysses / state chain / state gather (gdn_rewrite.py)
+2. `sdpa_rewrite_pass` — SDPA cores → collectives + local attention (sdpa/)
+   `gdn_rewrite_pass`  — GDN layers → conv halo + Ulysses / state chain / state gather (gdn/)
 3. `schedule_pass`     — async methods: one priority-ordered topological sort puts each launch
                          after its last producer and its wait before its first consumer, then
                          refuses a collective or attention with nothing to overlap (schedule.py)
 4. `verify_pass`       — lint, launch/wait pairing, fake values (checks.py)
 
 Each pass keeps `meta["val"]` valid; the orchestrator dumps the graph before and after
-each pass when a dump is requested.
+each pass when a dump is requested. The rewrites of both cores build their collectives from
+`comm.py` and edit graphs with `graph_utils.py`.
 """
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ import torch.fx as fx
 
 from ..context import PassContext
 from .checks import find_cores_pass, verify_pass
+from .gdn import gdn_rewrite_pass
 from .schedule import schedule_pass
-from .gdn_rewrite import gdn_rewrite_pass
-from .sdpa_rewrite import sdpa_rewrite_pass
+from .sdpa import sdpa_rewrite_pass
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 

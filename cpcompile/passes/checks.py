@@ -5,8 +5,8 @@ import torch.fx as fx
 
 from .. import collectives as C
 from ..context import PassContext
-from .find_cores import find_sdpa_cores
-from .find_gdn import find_gdn_cores
+from .gdn.match import find_gdn_cores
+from .sdpa.match import find_sdpa_cores
 
 CORE_FINDERS = {"sdpa": find_sdpa_cores, "gdn": find_gdn_cores}
 

@@ -1,6 +1,7 @@
 """Small helpers for editing FX graphs while keeping `meta["val"]` valid."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -45,6 +46,19 @@ class Emitter:
 
         with self.fake_mode:
             return op(*tree_map(to_val, args), **tree_map(to_val, kwargs))
+
+
+@dataclass
+class CoreMatch:
+    """An attention core a finder matched: `node` is its call. Every kind of match (SDPA, GDN)
+    is replaced the same way, by `replace_with` (as `micro_pipeline_tp`'s matches are)."""
+
+    node: fx.Node
+
+    def replace_with(self, gm: fx.GraphModule, output: fx.Node) -> None:
+        """Make every user of the core read `output` instead, and drop the core."""
+        self.node.replace_all_uses_with(output)
+        gm.graph.erase_node(self.node)
 
 
 def val(node: fx.Node) -> Any:

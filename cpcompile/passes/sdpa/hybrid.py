@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.fx as fx
 
-from ..context import PassContext
-from .find_cores import SdpaMatch
-from .sdpa_ulysses import rewrite_head_parallel
-from .sequence_ops import CommGroup, note_once
+from ...context import PassContext
+from ..comm import CommGroup, note_once
+from .match import SdpaMatch
+from .ulysses import rewrite_head_parallel
 
 
 def rewrite_hybrid(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:

@@ -1,4 +1,5 @@
-"""Matcher for the Gated DeltaNet core of a traced GDN layer (see models/qwen3_5.py)."""
+"""Matcher for the Gated DeltaNet core of a traced GDN layer (the Qwen3.5 adapter traces it as one
+`cpcompile::gdn_chunk` node): `find_gdn_cores` returns one `GdnMatch`."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -6,7 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from ..kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
+from ...kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
+from ..graph_utils import CoreMatch
 
 aten = torch.ops.aten
 GDN_CHUNK = torch.ops.cpcompile.gdn_chunk.default
@@ -15,41 +17,36 @@ CONV_OPS = (aten.conv1d.default, aten.convolution.default)
 
 
 @dataclass
-class GdnMatch:
-    """One GDN core and the causal conv left-pad that feeds its q/k/v.
+class GdnMatch(CoreMatch):
+    """One GDN core (`node`) and the causal conv left-pad that feeds its q/k/v.
 
-    `core` is `cpcompile::gdn_chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend)`
+    `node` is `cpcompile::gdn_chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend)`
     with q/k `[B, T, Hk, K]`, v `[B, T, Hv, V]`, g/β `[B, T, Hv]`; `conv_pad` left-pads the conv
     input `[B, C, T]` by `halo` = kernel − 1 zeros, the context a sequence shard lacks.
     """
 
-    core: fx.Node
     conv_pad: fx.Node
     halo: int
 
     @property
     def inputs(self) -> tuple[fx.Node, ...]:
-        return tuple(self.core.args[:5])
+        return tuple(self.node.args[:5])
 
     @property
     def scale(self) -> float:
-        return self.core.args[6]
+        return self.node.args[6]
 
     @property
     def chunk_size(self) -> int:
-        return self.core.args[7]
+        return self.node.args[7]
 
     @property
     def backend(self) -> str:
-        return self.core.args[8]
+        return self.node.args[8]
 
     def emit_core(self, emit, q, k, v, g, beta, initial_state=None) -> fx.Node:
         """A new core call on other inputs (shapes may differ), keeping scale/chunk/backend."""
-        return emit(GDN_CHUNK, q, k, v, g, beta, initial_state, *self.core.args[6:])
-
-    def replace_core_with(self, gm: fx.GraphModule, output: fx.Node) -> None:
-        self.core.replace_all_uses_with(output)
-        gm.graph.erase_node(self.core)
+        return emit(GDN_CHUNK, q, k, v, g, beta, initial_state, *self.node.args[6:])
 
     def replace_pad_with(self, node: fx.Node) -> None:
         self.conv_pad.replace_all_uses_with(node)

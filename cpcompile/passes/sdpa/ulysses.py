@@ -11,14 +11,11 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..context import PassContext
-from .find_cores import SdpaMatch
-from .graph_utils import Emitter, val
-from .sdpa_all_gather import check_self_attention
-from .sequence_ops import (
-    CommGroup, all_gather_sequence, all_to_all, cp_group, emit_attention, gathered_key_valid,
-    local_key_validity, note_once, replace_core, visible_keys,
-)
+from ...context import PassContext
+from ..comm import CommGroup, all_gather_sequence, all_to_all, cp_group, note_once
+from ..graph_utils import Emitter, val
+from .fragments import check_self_attention, emit_attention, gathered_key_valid, local_key_validity, visible_keys
+from .match import SdpaMatch
 
 aten = torch.ops.aten
 HEAD_DIM, SEQ_DIM = 1, 2  # SDPA layout [B, H, S, D]
@@ -54,7 +51,7 @@ def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext
     mask = visible_keys(emit, key_valid, causal, span, global_len, (ctx.cp_rank // heads.size) * span,
                         val(match.query).device)
     output = emit_attention(emit, match, query, key, value, mask, enable_gqa)
-    replace_core(gm, match, heads_to_seq(emit, ctx, output, heads, "attention output"))
+    match.replace_with(gm, heads_to_seq(emit, ctx, output, heads, "attention output"))
     ctx.cores_rewritten += 1
 
 

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..context import PassContext
-from .find_cores import find_sdpa_cores
-from .sdpa_all_gather import rewrite_all_gather
-from .sdpa_head_tail import rewrite_head_tail
-from .sdpa_hybrid import rewrite_hybrid
-from .sdpa_ulysses import rewrite_ulysses
+from ...context import PassContext
+from .all_gather import rewrite_all_gather
+from .head_tail import rewrite_head_tail
+from .hybrid import rewrite_hybrid
+from .match import find_sdpa_cores
+from .ulysses import rewrite_ulysses
 
 # method name -> rewrite of one core; each later SDPA method adds one entry.
 SDPA_REWRITES = {

@@ -1,4 +1,4 @@
-"""Matchers for the attention cores a CP method rewrites."""
+"""Matcher for the softmax-attention core: `find_sdpa_cores` returns one `SdpaMatch` per call."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,18 +7,20 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
+from ..graph_utils import CoreMatch
+
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
 
 
 @dataclass
-class SdpaMatch:
-    """One `scaled_dot_product_attention` call, its arguments normalised to names.
+class SdpaMatch(CoreMatch):
+    """One `scaled_dot_product_attention` call (`node`), its arguments normalised to names.
 
     Layout is the SDPA one: q `[B, Hq, Sq, D]`, k/v `[B, Hkv, Skv, D]`; a mask, when
-    present, broadcasts to `[B, Hq, Sq, Skv]`.
+    present, broadcasts to `[B, Hq, Sq, Skv]`. A rewrite emits the new attention and then
+    `replace_with(gm, output)`.
     """
 
-    node: fx.Node
     query: fx.Node
     key: fx.Node
     value: fx.Node
@@ -39,18 +41,6 @@ class SdpaMatch:
         if key is not None and value is not None:
             return key, value, True
         return self.key, self.value, self.enable_gqa
-
-    def replace_with(self, *, key: fx.Node, value: fx.Node, attn_mask: fx.Node | None,
-                     is_causal: bool, enable_gqa: bool) -> None:
-        """Point this SDPA call at new K/V and mask, keeping the query and its other arguments."""
-        self.node.args = (self.query, key, value)
-        self.node.kwargs = {
-            "attn_mask": attn_mask,
-            "dropout_p": self.dropout_p,
-            "is_causal": is_causal,
-            "scale": self.scale,
-            "enable_gqa": enable_gqa,
-        }
 
 
 def find_sdpa_cores(gm: fx.GraphModule) -> list[SdpaMatch]:

@@ -10,26 +10,13 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..context import PassContext
-from .find_cores import SdpaMatch
-from .graph_utils import Emitter, val
-from .sequence_ops import (
-    all_gather_sequence, emit_attention, gathered_key_valid, local_key_validity, note_once, replace_core, visible_keys,
+from ...context import PassContext
+from ..comm import all_gather_sequence, note_once
+from ..graph_utils import Emitter, val
+from .fragments import (
+    SEQ_DIM, check_self_attention, emit_attention, gathered_key_valid, local_key_validity, visible_keys,
 )
-
-SEQ_DIM = 2  # SDPA layout [B, H, S, D]
-
-
-def check_self_attention(match: SdpaMatch, ctx: PassContext) -> tuple[int, int]:
-    """Return (local length, global length); refuse shapes a sequence-sharded rewrite can't serve."""
-    q_len = val(match.query).shape[SEQ_DIM]
-    kv_len = val(match.key).shape[SEQ_DIM]
-    if q_len != kv_len:
-        raise ValueError(
-            f"{ctx.fqn}: SDPA has {q_len} queries but {kv_len} keys; CP needs self-attention over "
-            "the local shard (no KV cache, no cross-attention)"
-        )
-    return q_len, q_len * ctx.cp_size
+from .match import SdpaMatch
 
 
 def rewrite_all_gather(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:
@@ -40,7 +27,7 @@ def rewrite_all_gather(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -
     value = all_gather_sequence(emit, ctx, local_value, SEQ_DIM, purpose="V")
     causal, mask = global_mask_for(emit, gm, match, ctx, q_len, global_len)
     if not causal:
-        match.replace_with(key=key, value=value, attn_mask=mask, is_causal=False, enable_gqa=enable_gqa)
+        match.replace_with(gm, emit_attention(emit, match, match.query, key, value, mask, enable_gqa))
     else:
         blocks = causal_query_blocks(q_len, ctx.cp_rank * q_len)
         outputs = [
@@ -50,7 +37,7 @@ def rewrite_all_gather(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -
             for start, end, visible in blocks
         ]
         output = outputs[0] if len(outputs) == 1 else emit(torch.ops.aten.cat.default, outputs, SEQ_DIM)
-        replace_core(gm, match, output)
+        match.replace_with(gm, output)
         if len(blocks) > 1:
             note_once(ctx, f"causal attention in {len(blocks)} query blocks, each against only the keys it can see")
     ctx.cores_rewritten += 1

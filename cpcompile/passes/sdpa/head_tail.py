@@ -17,15 +17,14 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..context import PassContext
-from .find_cores import SdpaMatch
-from .graph_utils import Emitter, evaluate_node, val
-from .sdpa_all_gather import check_self_attention
-from .sdpa_masks import CAUSAL, classify_local_mask
-from .sequence_ops import (
-    all_gather_sequence, all_valid_keys, emit_attention, gathered_key_valid, mask_row, note_once, replace_core,
-    visible_keys,
+from ...context import PassContext
+from ..comm import all_gather_sequence, note_once
+from ..graph_utils import Emitter, evaluate_node, val
+from .fragments import (
+    all_valid_keys, check_self_attention, emit_attention, gathered_key_valid, mask_row, visible_keys,
 )
+from .masks import CAUSAL, classify_local_mask
+from .match import SdpaMatch
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # SDPA layout [B, H, S, D]; gathered key validity is [B, 1, 1, S]
@@ -49,7 +48,7 @@ def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) ->
                             chunk_index * chunk, val(match.query).device)
         outputs.append(emit_attention(emit, match, query, prefix(emit, key, SEQ_DIM, seen),
                                       prefix(emit, value, SEQ_DIM, seen), mask, enable_gqa))
-    replace_core(gm, match, emit(aten.cat.default, outputs, SEQ_DIM))
+    match.replace_with(gm, emit(aten.cat.default, outputs, SEQ_DIM))
     head, tail = local_chunks(ctx)
     note_once(ctx, f"head-tail: local chunks {head} and {tail} of {2 * ctx.cp_size} ({chunk} tokens each); "
                    "K/V gathered over cp and put in global order, each chunk attends to its visible key prefix")

@@ -1,0 +1,118 @@
+"""Communication fragments every rewrite uses, whatever its core: a collective emitted as a launch
+node and a wait node, recorded for the dump. SDPA (`sdpa/`) and GDN (`gdn/`) build on these.
+
+- `all_gather_sequence`: gather along one dim over a group, ranks in order (backward: reduce-scatter);
+- `all_to_all`: cut along one dim, exchange, join along another (backward: the inverse exchange);
+- `shift_to_next_rank`: rank r's rows to rank r+1 (rank 0 gets zeros), one ring all-to-all;
+- `gather_ranks`: a tensor from every rank, stacked in rank order.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.fx as fx
+
+from .. import collectives as C
+from ..context import PassContext
+from .graph_utils import Emitter, val
+
+aten = torch.ops.aten
+
+
+class CommGroup(NamedTuple):
+    """A process group as a rewrite uses it: the name collective ops take, its size, and
+    its role ("cp", "cp_ulysses", "cp_ring"), which the dump shows beside each collective."""
+
+    name: str
+    size: int
+    role: str
+
+
+def cp_group(ctx: PassContext) -> CommGroup:
+    return CommGroup(ctx.group_name, ctx.cp_size, "cp")
+
+
+def record_collective(ctx: PassContext, op, purpose: str, launch: fx.Node, done: fx.Node, group: CommGroup) -> None:
+    label = purpose if group.role == "cp" else f"{purpose} @{group.role}"
+    ctx.record(C.collective_kind(op), label, launch, done, group_name=group.name, group_size=group.size)
+
+
+def all_gather_sequence(emit: Emitter, ctx: PassContext, x: fx.Node, seq_dim: int, purpose: str,
+                        group: CommGroup | None = None) -> fx.Node:
+    """Gather `x` along `seq_dim` over `group` (default: cp), ranks in order (rank r's block r-th).
+
+    The sequence dim is moved to the front so that all-gather's concatenation along dim 0
+    is exactly the group-rank order; the backward of the gather is a reduce-scatter.
+    """
+    group = group or cp_group(ctx)
+    rank = val(x).dim()
+    front = [seq_dim] + [d for d in range(rank) if d != seq_dim]
+    back = [front.index(d) for d in range(rank)]
+    moved = emit(aten.permute.default, x, front)
+    contiguous = emit(aten.clone.default, moved, memory_format=torch.contiguous_format)
+    launch = emit(C.ALL_GATHER, contiguous, group.size, group.name)
+    done = emit(C.WAIT, launch)
+    record_collective(ctx, C.ALL_GATHER, purpose, launch, done, group)
+    return emit(aten.permute.default, done, back)
+
+
+def all_to_all(emit: Emitter, ctx: PassContext, x: fx.Node, *, scatter_dim: int, gather_dim: int,
+               group: CommGroup, purpose: str) -> fx.Node:
+    """Cut `x` into `group.size` equal parts along `scatter_dim`, send part j to group rank j,
+    and join the parts received along `gather_dim`, sender j's part j-th.
+
+    `all_to_all_single` exchanges dim-0 blocks, so the part index is moved to the front
+    before the exchange and back beside `gather_dim` after it. Its autograd backward is the
+    inverse exchange.
+    """
+    shape = list(val(x).shape)
+    n, rank = group.size, len(shape)
+    parts = emit(aten.reshape.default, x, shape[:scatter_dim] + [n, shape[scatter_dim] // n] + shape[scatter_dim + 1:])
+    front = emit(aten.permute.default, parts, [scatter_dim] + [d for d in range(rank + 1) if d != scatter_dim])
+    contiguous = emit(aten.clone.default, front, memory_format=torch.contiguous_format)
+    one_part_each = [1] * n
+    launch = emit(C.ALL_TO_ALL, contiguous, one_part_each, one_part_each, group.name)
+    done = emit(C.WAIT, launch)
+    record_collective(ctx, C.ALL_TO_ALL, purpose, launch, done, group)
+    # received: [sender, *shape with scatter_dim cut]; put the sender axis just before gather_dim
+    beside_gather = list(range(1, gather_dim + 1)) + [0] + list(range(gather_dim + 1, rank + 1))
+    placed = emit(aten.permute.default, done, beside_gather)
+    out_shape = list(shape)
+    out_shape[scatter_dim] //= n
+    out_shape[gather_dim] *= n
+    return emit(aten.reshape.default, placed, out_shape)
+
+
+def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: str) -> fx.Node:
+    """Send `rows` (`[n, ...]`) to rank r+1 and receive rank r−1's; rank 0 gets zeros.
+
+    One all-to-all on a ring: every rank sends exactly one payload, to (r+1) mod P. Rank 0 has
+    no predecessor, so it zeroes what the last rank sent; it still uses it, so the collective
+    and its backward (which returns each gradient to its sender) run alike on every rank —
+    and no rank ever sends an empty buffer.
+    """
+    rank, size = ctx.cp_rank, ctx.cp_size
+    count = val(rows).shape[0]
+    send_splits = [count if peer == (rank + 1) % size else 0 for peer in range(size)]
+    recv_splits = [count if peer == (rank - 1) % size else 0 for peer in range(size)]
+    payload = emit(aten.clone.default, rows, memory_format=torch.contiguous_format)
+    launch = emit(C.ALL_TO_ALL, payload, recv_splits, send_splits, ctx.group_name)
+    received = emit(C.WAIT, launch)
+    record_collective(ctx, C.ALL_TO_ALL, purpose, launch, received, cp_group(ctx))
+    if rank > 0:
+        return received
+    # zeros that still depend on `received` (so its backward runs), without 0·inf = NaN
+    no = emit(aten.zeros.default, [], dtype=torch.bool, device=val(received).device)
+    return emit(aten.where.ScalarOther, no, received, 0.0)
+
+
+def gather_ranks(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:
+    """`[...]` on every rank → `[P, ...]` in rank order."""
+    return all_gather_sequence(emit, ctx, emit(aten.unsqueeze.default, x, 0), seq_dim=0, purpose=purpose)
+
+
+def note_once(ctx: PassContext, note: str) -> None:
+    """Add a dump note for the region; a region with several cores gets it once."""
+    if note not in ctx.notes:
+        ctx.notes.append(note)
