@@ -86,7 +86,7 @@ def plan_for(method: str, world: int) -> tuple[str, dict]:
             wrapper["ulysses_degree"] = 2
         return "sdpa", {"accelerator": {"cp_size": world}, "plan_overrides": [override("*.self_attn", wrapper)]}
     gdn_method, backend = GDN[method]
-    gdn = {"_target_": f"cpcompile.models.qwen3_5.qwen3_5_gdn_{gdn_method}_cp_wrapper", "backend": backend,
+    gdn = {"_target_": f"cpcompile.adapters.qwen3_5.qwen3_5_gdn_{gdn_method}_cp_wrapper", "backend": backend,
            "chunk_size": 64}
     return "gdn", {"accelerator": {"cp_size": world},
                    "plan_overrides": [override("*.linear_attn", gdn), override("*.self_attn", "sdpa_hf")]}

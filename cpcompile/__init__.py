@@ -8,7 +8,7 @@
 """
 from .batch import shard_batch, unshard
 from .errors import CPConfigError, PlanError
-from .install import compile
+from .pipeline import compile
 from .loss import all_reduce_gradients, global_mean_loss
 from .mesh import CPMesh, build_mesh
 from .methods import CPMethod

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import shard_batch
-from .install import compile as cp_compile
+from .pipeline import compile as cp_compile
 from .mesh import build_mesh
 from .train import TrainConfig, build_model, synthetic_batch
 

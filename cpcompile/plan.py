@@ -12,6 +12,10 @@ What a plan may *not* do, on purpose:
 
 `local_compute_fn` is parsed but not supported yet: an override that uses it is rejected with
 "local_compute_fn is not supported yet; use inner_wrapper".
+
+Other modules that read YAML the same way (`train.py`) use the public helpers `read_yaml`,
+`reject_unknown_keys` and `check_size`, and `AcceleratorConfig.not_with_cp` for the
+parallelisms CP cannot be combined with.
 """
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ logger = logging.getLogger("cpcompile")
 
 TOP_LEVEL_KEYS = ("accelerator", "plan_overrides")
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "ep_size", "pp_size")
+DP_SIZE_KEYS = ("dp_replicate_size", "dp_shard_size")
+NOT_WITH_CP = ("tp_size", "pp_size", "ep_size")  # parallelisms cpcompile cannot combine with CP yet
 FLAG_KEYS = ("sequence_parallel", "loss_parallel")
 LEGACY_CP_KEYS = ("algorithm", "schedule", "ulysses_degree", "load_balance", "async_fallback")
 OVERRIDE_KEYS = ("match", "when", "region_dispatch", "inner_target", "inner_wrapper", "local_compute_fn")
@@ -76,9 +82,16 @@ class AcceleratorConfig:
             f"dp_shard({self.dp_shard_size}) x cp({self.cp_size}) x tp({self.tp_size}) = {self.world_size}"
         )
 
+    def not_with_cp(self, *, include_dp: bool = False) -> list[tuple[str, int]]:
+        """(field, size) of every parallelism set beside CP that cannot run with it: TP, PP and EP
+        (`compile` refuses them); `include_dp` adds the data-parallel sizes, for `cpcompile train`,
+        whose loop runs context parallelism only."""
+        keys = (DP_SIZE_KEYS if include_dp else ()) + NOT_WITH_CP
+        return [(key, getattr(self, key)) for key in keys if getattr(self, key) > 1]
+
     def validate(self) -> "AcceleratorConfig":
         for key in SIZE_KEYS:
-            _check_size(f"accelerator.{key}", getattr(self, key))
+            check_size(f"accelerator.{key}", getattr(self, key))
         for key in FLAG_KEYS:
             _check_flag(f"accelerator.{key}", getattr(self, key))
         return self
@@ -176,7 +189,7 @@ def load_plan(source: "str | os.PathLike | Mapping[str, Any] | Plan") -> Plan:
     if isinstance(source, Plan):
         return source.validate()
     if isinstance(source, (str, os.PathLike)):
-        return _parse_top_level(_read_yaml(source))
+        return _parse_top_level(read_yaml(source))
     if isinstance(source, Mapping):
         return _parse_top_level(source)
     raise TypeError(
@@ -184,7 +197,8 @@ def load_plan(source: "str | os.PathLike | Mapping[str, Any] | Plan") -> Plan:
     )
 
 
-def _read_yaml(path: "str | os.PathLike") -> Any:
+def read_yaml(path: "str | os.PathLike") -> Any:
+    """The YAML document at `path` (`yaml.safe_load` only); a syntax error is a `PlanError`."""
     with open(path, encoding="utf-8") as f:
         text = f.read()
     try:
@@ -201,7 +215,7 @@ def _parse_top_level(raw: Any) -> Plan:
         raise PlanError("<plan>", "the plan is empty; expected a mapping with accelerator and plan_overrides")
     if not isinstance(raw, Mapping):
         raise PlanError("<plan>", f"must be a mapping, got {type(raw).__name__}")
-    _reject_unknown_keys("", raw, TOP_LEVEL_KEYS)
+    reject_unknown_keys("", raw, TOP_LEVEL_KEYS)
     accelerator = _parse_accelerator(raw.get("accelerator", {}))
     raw_overrides = raw.get("plan_overrides", [])
     if raw_overrides is None:
@@ -216,7 +230,7 @@ def _parse_accelerator(raw: Any) -> AcceleratorConfig:
     if not isinstance(raw, Mapping):
         raise PlanError("accelerator", f"must be a mapping, got {type(raw).__name__}")
     _reject_legacy_keys(raw)
-    _reject_unknown_keys("accelerator", raw, SIZE_KEYS + FLAG_KEYS)
+    reject_unknown_keys("accelerator", raw, SIZE_KEYS + FLAG_KEYS)
     return AcceleratorConfig(**dict(raw)).validate()
 
 
@@ -237,7 +251,7 @@ def _parse_override(index: int, raw: Any) -> Override:
     path = f"plan_overrides[{index}]"
     if not isinstance(raw, Mapping):
         raise PlanError(path, f"must be a mapping, got {type(raw).__name__}")
-    _reject_unknown_keys(path, raw, OVERRIDE_KEYS)
+    reject_unknown_keys(path, raw, OVERRIDE_KEYS)
     for key in ("match", "when"):
         if key not in raw:
             raise PlanError(f"{path}.{key}", "is required")
@@ -344,14 +358,16 @@ def _callable_name(fn: Any) -> str:
 # --------------------------------------------------------------------------- field checks
 
 
-def _reject_unknown_keys(path: str, raw: Mapping, allowed: tuple[str, ...]) -> None:
+def reject_unknown_keys(path: str, raw: Mapping, allowed: tuple[str, ...]) -> None:
+    """A `PlanError` naming `path.key` for the first key of `raw` not in `allowed`."""
     for key in raw:
         if key not in allowed:
             where = f"{path}.{key}" if path else str(key)
             raise PlanError(where, f"unknown key; allowed keys: {', '.join(allowed)}")
 
 
-def _check_size(path: str, value: Any) -> None:
+def check_size(path: str, value: Any) -> None:
+    """A `PlanError` naming `path` unless `value` is an int >= 1 (bool refused)."""
     if type(value) is not int:  # bool is an int subclass; refuse it here
         raise PlanError(path, f"must be an integer >= 1, got {value!r} ({type(value).__name__})")
     if value < 1:

@@ -34,10 +34,10 @@ import torch
 
 from .batch import shard_batch
 from .errors import PlanError
-from .install import compile as cp_compile
+from .pipeline import compile as cp_compile
 from .loss import all_reduce_gradients
 from .mesh import build_mesh
-from .plan import Plan, _check_size, _read_yaml, _reject_unknown_keys, load_plan
+from .plan import Plan, check_size, load_plan, read_yaml, reject_unknown_keys
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -57,7 +57,7 @@ class TrainSettings:
 
     def validate(self) -> "TrainSettings":
         for name in ("steps", "seq_len", "batch_size"):
-            _check_size(f"train.{name}", getattr(self, name))
+            check_size(f"train.{name}", getattr(self, name))
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
             hint = " (YAML reads 1e-3 as a string: write 1.0e-3)" if isinstance(self.lr, str) else ""
             raise PlanError("train.lr", f"must be a positive number, got {self.lr!r}{hint}")
@@ -77,7 +77,7 @@ class TrainConfig:
 
 def load_train_config(source: str | dict) -> TrainConfig:
     """Read and check a train config (a YAML path or a dict); errors name the field path."""
-    raw = source if isinstance(source, dict) else _read_yaml(source)
+    raw = source if isinstance(source, dict) else read_yaml(source)
     if not isinstance(raw, dict):
         raise PlanError("<config>", f"must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
@@ -86,15 +86,11 @@ def load_train_config(source: str | dict) -> TrainConfig:
         raise PlanError("model", "a mapping with model_type (a transformers model type) is required")
     if not isinstance(settings, dict):
         raise PlanError("train", f"must be a mapping, got {type(settings).__name__}")
-    _reject_unknown_keys("train", settings, tuple(f.name for f in fields(TrainSettings)))
+    reject_unknown_keys("train", settings, tuple(f.name for f in fields(TrainSettings)))
     plan = load_plan(raw)
-    acc = plan.accelerator
-    others = {"dp_replicate_size": acc.dp_replicate_size, "dp_shard_size": acc.dp_shard_size,
-              "tp_size": acc.tp_size, "pp_size": acc.pp_size, "ep_size": acc.ep_size}
-    for name, size in others.items():
-        if size != 1:
-            raise PlanError(f"accelerator.{name}", f"cpcompile train runs context parallelism only; must be 1, "
-                                                   f"got {size} (use the library API for other parallelisms)")
+    for name, size in plan.accelerator.not_with_cp(include_dp=True):
+        raise PlanError(f"accelerator.{name}", f"cpcompile train runs context parallelism only; must be 1, "
+                                               f"got {size} (use the library API for other parallelisms)")
     return TrainConfig(dict(model), TrainSettings(**settings).validate(), plan)
 
 

@@ -35,7 +35,7 @@ def tiny_qwen3_5_vl(seed: int, dtype=torch.float32):
 
 
 def gdn_wrapper(method: str, **params) -> dict:
-    return {"_target_": f"cpcompile.models.qwen3_5.qwen3_5_gdn_{method}_cp_wrapper", "chunk_size": CHUNK, **params}
+    return {"_target_": f"cpcompile.adapters.qwen3_5.qwen3_5_gdn_{method}_cp_wrapper", "chunk_size": CHUNK, **params}
 
 
 def gdn_plan(cp: int, method: str, sdpa: str | None = None, match: str = "*.linear_attn", **params) -> dict:
@@ -54,7 +54,7 @@ def use_reference_gdn(model):
     algorithm by ~1e-3 (they sum many cancelling terms); the adapter test checks that
     statement against transformers, these tests check CP against it.
     """
-    from cpcompile.models.qwen3_5 import gdn_layer_forward, is_gdn_layer
+    from cpcompile.adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
 
     def forward(self, hidden_states, attention_mask=None, **_):
         return gdn_layer_forward(self, hidden_states, attention_mask, chunk_size=CHUNK, backend="eager")

@@ -6,7 +6,7 @@ import torch
 
 from cp_harness import rel
 from gdn_harness import CHUNK, DECAY_PARAMS, TEXT, gdn_layer, tiny_qwen3_5, tiny_qwen3_5_vl
-from cpcompile.models.qwen3_5 import GDN_PARAMETER_ROLES, gdn_layer_forward, is_gdn_layer, is_qwen3_5
+from cpcompile.adapters.qwen3_5 import GDN_PARAMETER_ROLES, gdn_layer_forward, is_gdn_layer, is_qwen3_5
 
 @pytest.mark.parametrize("make", [tiny_qwen3_5, tiny_qwen3_5_vl], ids=["causal_lm", "conditional_generation"])
 def test_both_identities_are_recognised_with_their_gdn_layers(make):

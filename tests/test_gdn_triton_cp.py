@@ -57,7 +57,7 @@ def use_core(holder: LayerHolder, backend: str) -> LayerHolder:
     """Run the layer through cpcompile's statement of it with the given core backend (CP=1)."""
     import types
 
-    from cpcompile.models.qwen3_5 import gdn_layer_forward
+    from cpcompile.adapters.qwen3_5 import gdn_layer_forward
 
     def forward(self, hidden_states, attention_mask=None, **_):
         return gdn_layer_forward(self, hidden_states, attention_mask, chunk_size=CHUNK, backend=backend)
@@ -258,8 +258,8 @@ def test_triton_backend_without_interpreter_fails_at_compile():
     backend, naming the capability; nothing falls back to eager."""
     code = (
         "import torch, cpcompile\n"
-        "from cpcompile.models.qwen3_5 import qwen3_5_gdn_p2p_cp_wrapper\n"
-        "from cpcompile.models.qwen3_5 import GdnRegion\n"
+        "from cpcompile.adapters.qwen3_5 import qwen3_5_gdn_p2p_cp_wrapper\n"
+        "from cpcompile.adapters.qwen3_5 import GdnRegion\n"
         "import sys\n"
         "try:\n"
         "    GdnRegion(qwen3_5_gdn_p2p_cp_wrapper(backend='triton'))\n"

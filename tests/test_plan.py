@@ -348,6 +348,15 @@ def test_target_resolves_marked_wrapper():
     assert o.method.wrapper == "sdpa_hf_cp_wrapper"
 
 
+@pytest.mark.parametrize("method", ["ulysses", "p2p", "all_gather"])
+def test_old_model_adapter_paths_still_resolve(method):
+    """The GDN wrappers moved from cpcompile.models to cpcompile.adapters; old plans keep working."""
+    name = f"qwen3_5_gdn_{method}_cp_wrapper"
+    (old,) = load_plan(_plan(_override(inner_wrapper={"_target_": f"cpcompile.models.qwen3_5.{name}"}))).overrides
+    (new,) = load_plan(_plan(_override(inner_wrapper={"_target_": f"cpcompile.adapters.qwen3_5.{name}"}))).overrides
+    assert old.method == new.method and old.method.wrapper == name
+
+
 def test_target_with_parameters():
     spec = {"_target_": f"{__name__}.hybrid_wrapper", "ulysses_degree": 2}
     (o,) = load_plan(_plan(_override(inner_wrapper=spec), cp_size=4)).overrides

@@ -3,7 +3,7 @@
 Q/K/V are exchanged sequence→head inside this rank's Ulysses sub-group, K/V are then
 all-gathered along the sequence inside its ring sub-group, attention runs on H/u heads of the
 queries of u sequence blocks against the whole sequence, and the output goes back head→sequence.
-The sub-groups are the ones `install.build_subgroups` created for every rank before any trace;
+The sub-groups are the ones `pipeline.build_subgroups` created for every rank before any trace;
 a pass only looks them up (`new_group` is collective and must never run inside one rank's trace).
 """
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""`cpcompile.compile`: match → probe → trace → rewrite → install, atomically."""
+"""The pipeline behind `cpcompile.compile`: match → probe → trace → rewrite → install, atomically."""
 from __future__ import annotations
 
 import logging
@@ -9,12 +9,12 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .adapters import region_for
 from .capture import probe_forward, trace_region
 from .combinations import check_method_combination
 from .context import PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import PlanError
-from .models import region_for
 from .passes import run_passes
 from .plan import Override, load_plan
 from .region import RegionProgram, flatten_call
@@ -69,12 +69,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
 
 
 def reject_unsupported_combinations(plan) -> None:
-    acc = plan.accelerator
-    for name in ("tp_size", "pp_size", "ep_size"):
-        if getattr(acc, name) > 1:
-            raise NotImplementedError(
-                f"accelerator.{name}={getattr(acc, name)} together with context parallelism is not supported yet"
-            )
+    for name, size in plan.accelerator.not_with_cp():
+        raise NotImplementedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
 
 
 def build_subgroups(mesh, overrides: list[Override]) -> None:

@@ -1,0 +1,153 @@
+"""Qwen3.5 adapter: identities, GDN parameter roles, the GDN layer as a traceable graph, wrappers.
+
+Qwen3.5 mixes Gated DeltaNet linear attention (`*.linear_attn`) with full attention 3:1. The
+Hugging Face GDN layer's forward changed across transformers 5.x (argument names, kernel hub
+dispatch) and, traced through its torch fallback, unrolls into thousands of ATen ops. So the
+adapter traces its *own* statement of the layer — same parameters, same math, checked against
+the installed transformers by the tests — in which the recurrent core is one
+`cpcompile::gdn_chunk` node and the causal conv's left context is one explicit pad node: the
+two places a GDN CP rewrite changes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
+from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
+from ..methods import CONTIGUOUS, CPMethod
+from ..registry import inner_wrapper
+
+# Both Hugging Face identities map to this one provider.
+ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5_text"}
+MODEL_TYPES = frozenset(ARCHITECTURES.values())
+
+# How tensor parallelism would split each GDN parameter (not used by CP; for TP planning).
+GDN_PARAMETER_ROLES = {
+    "in_proj_qkv": "fused_qkv",
+    "in_proj_z": "colwise",
+    "in_proj_b": "colwise",
+    "in_proj_a": "colwise",
+    "conv1d": "colwise",
+    "A_log": "colwise",
+    "dt_bias": "colwise",
+    "out_proj": "rowwise",
+}
+
+ADAPTER = "qwen3_5_gdn"
+# Call arguments that mean packed sequences or an inference cache: refused, never ignored.
+PACKED_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "seq_idx", "max_length_q", "max_length_k")
+CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
+
+
+def is_qwen3_5(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return type(model).__name__ in ARCHITECTURES or getattr(config, "model_type", None) in MODEL_TYPES
+
+
+def is_gdn_layer(module: nn.Module) -> bool:
+    """A Qwen3.5(-MoE) GatedDeltaNet layer, recognised by class name and parameters."""
+    return type(module).__name__.endswith("GatedDeltaNet") and all(
+        hasattr(module, name) for name in ("in_proj_qkv", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
+    )
+
+
+def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                      *, chunk_size: int, backend: str) -> torch.Tensor:
+    """One Qwen3.5 GDN layer (training, no cache), as the graph CP rewrites see it."""
+    if attention_mask is not None:  # padded positions contribute nothing (HF zeroes them too)
+        hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
+    batch, length, _ = hidden_states.shape
+    key_dim, value_dim = layer.head_k_dim, layer.head_v_dim
+
+    mixed = layer.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, conv channels, T]
+    z = layer.in_proj_z(hidden_states).reshape(batch, length, -1, value_dim)
+    b = layer.in_proj_b(hidden_states)
+    a = layer.in_proj_a(hidden_states)
+
+    weight = layer.conv1d.weight
+    history = F.pad(mixed.to(weight.dtype), (weight.shape[-1] - 1, 0))  # causal left context: CP fills it
+    conv = F.conv1d(history, weight, layer.conv1d.bias, groups=mixed.shape[1])
+    mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
+
+    query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
+    # q/k normalisation as Qwen3.5's reference does it: in fp32, and kept in fp32
+    query = l2norm(query.reshape(batch, length, -1, key_dim).float())
+    key = l2norm(key.reshape(batch, length, -1, key_dim).float())
+    value = value.reshape(batch, length, -1, value_dim)
+    beta = b.sigmoid()
+    g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
+
+    core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, key_dim**-0.5, chunk_size, backend)
+    core = core.to(value.dtype)
+    core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
+    return layer.out_proj(core.reshape(batch, length, -1))
+
+
+class GdnRegion:
+    """How cpcompile calls and traces a Qwen3.5 GDN layer under a GDN CP method."""
+
+    def __init__(self, method: CPMethod):
+        self.chunk_size = method.params["chunk_size"]
+        self.backend = method.params["backend"]
+        require_backend(self.backend)
+
+    def prepare_call(self, fqn: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """Map any transformers 5.x call of the layer onto (hidden_states, attention_mask)."""
+        for name in CACHE_KWARGS:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{fqn}: called with {name}; GDN context parallelism does not support an "
+                                 "inference cache or incremental decoding (use_cache=False)")
+        for name in PACKED_KWARGS:
+            if kwargs.get(name) is not None:
+                raise ValueError(f"{fqn}: called with {name}; packed / varlen inputs are not supported by GDN "
+                                 "context parallelism")
+        if len(args) > 1 and args[1] is not None:  # (hidden_states, cache, attention_mask) in transformers 5.x
+            raise ValueError(f"{fqn}: called with a cache argument; GDN context parallelism does not support an "
+                             "inference cache or incremental decoding (use_cache=False)")
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        if not isinstance(hidden, torch.Tensor):
+            raise ValueError(f"{fqn}: a GDN layer call needs hidden_states as a tensor, got {type(hidden).__name__}")
+        mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"{fqn}: GDN layers take a 2-D padding mask, got shape {tuple(mask.shape)}")
+        return (hidden,), {"attention_mask": mask}
+
+    def forward(self, layer: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
+        return gdn_layer_forward(layer, hidden_states, attention_mask, chunk_size=self.chunk_size, backend=self.backend)
+
+
+def _gdn_method(name: str, wrapper: str, backend: str, chunk_size: int) -> CPMethod:
+    check_backend(backend)
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+    if backend == "triton" and chunk_size != CHUNK_SIZE:
+        raise ValueError(f"the triton GDN backend supports chunk_size={CHUNK_SIZE} only, got {chunk_size}")
+    return CPMethod(name=name, core="gdn", wrapper=wrapper, layout=CONTIGUOUS,
+                    params={"backend": backend, "chunk_size": chunk_size, "adapter": ADAPTER})
+
+
+@inner_wrapper
+def qwen3_5_gdn_ulysses_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
+    """GDN Ulysses: q, k, v, g, β sequence→head all-to-all, full-sequence core on K/cp and V/cp
+    heads, output head→sequence. K heads and V heads must divide by cp."""
+    return _gdn_method("ulysses", "qwen3_5_gdn_ulysses_cp_wrapper", backend, chunk_size)
+
+
+@inner_wrapper
+def qwen3_5_gdn_p2p_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
+    """GDN State-P2P: conv halo from rank r−1, local (M, S) summary, fp32 state chain
+    rank 0 → P−1 (gradient chain P−1 → 0 in backward); every rank keeps all heads."""
+    return _gdn_method("p2p", "qwen3_5_gdn_p2p_cp_wrapper", backend, chunk_size)
+
+
+@inner_wrapper
+def qwen3_5_gdn_all_gather_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
+    """GDN State-AllGather (a comparison path): all-gather every rank's (M, S), compose the
+    prefix in rank order. Eager backend only."""
+    if backend != "eager":
+        raise ValueError(f"GDN State-AllGather supports backend='eager' only, got {backend!r}")
+    return _gdn_method("all_gather", "qwen3_5_gdn_all_gather_cp_wrapper", backend, chunk_size)
