@@ -11,9 +11,8 @@ from .errors import CPConfigError, PlanError
 from .pipeline import compile
 from .loss import all_reduce_gradients, global_mean_loss
 from .mesh import CPMesh, build_mesh
-from .methods import CPMethod
+from .methods import CPMethod, inner_wrapper, register_inner_wrapper
 from .plan import AcceleratorConfig, Override, Plan, load_plan
-from .registry import inner_wrapper, register_inner_wrapper
 
 __all__ = [
     "AcceleratorConfig", "CPConfigError", "CPMesh", "CPMethod", "Override", "Plan", "PlanError",

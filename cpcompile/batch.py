@@ -111,28 +111,6 @@ def restore_order(tensor: torch.Tensor, cp_size: int, layout: str, *, seq_dim: i
     return tensor.index_select(seq_dim, torch.argsort(order).to(tensor.device))
 
 
-def plan_layout(plan: Any) -> str | None:
-    """The one sequence layout every active override agrees on; None when none is active."""
-    overrides = list(plan.active_overrides()) if plan is not None else []
-    by_layout: dict[str, list[str]] = {}
-    for override in overrides:
-        method = getattr(override, "method", None)
-        if method is not None:
-            layout, label = method.layout, method.wrapper
-        else:  # a `local_compute_fn` override computes on the plain contiguous slice
-            layout, label = CONTIGUOUS, f"local_compute_fn {getattr(override, 'local_compute_fn', None)}"
-        match = getattr(override, "match", None)
-        if match is not None:
-            label = f"{label} (match {match!r})"
-        by_layout.setdefault(layout, []).append(label)
-    if len(by_layout) > 1:
-        detail = "; ".join(f"{layout}: {', '.join(names)}" for layout, names in sorted(by_layout.items()))
-        raise ValueError(
-            "plan_overrides need different sequence layouts and one batch can have only one: " + detail
-        )
-    return next(iter(by_layout), None)
-
-
 def _cp_size_and_rank(mesh: Any) -> tuple[int, int]:
     if mesh is None:
         return 1, 0
@@ -146,7 +124,7 @@ def _batch_layout(mesh: Any, plan: Any) -> tuple[int, int, str]:
         raise ValueError(f"plan has cp_size={plan_cp} but the mesh has cp_size={cp_size}")
     if cp_size == 1:  # nothing is sliced, so no layout is needed
         return cp_size, cp_rank, CONTIGUOUS
-    layout = plan_layout(plan)
+    layout = plan.layout()  # the one-layout rule (`cpcompile.plan.sequence_layout`)
     if layout is None:
         raise ValueError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
     return cp_size, cp_rank, layout
@@ -264,8 +242,8 @@ def shard_batch(
     """Return this CP rank's local batch, ready for ``model(**local)`` on a Hugging Face causal LM.
 
     Every rank of the CP group passes the same *global* micro-batch. ``mesh`` provides
-    ``cp_size``/``cp_rank`` (None means cp=1); ``plan.active_overrides()`` fixes the layout
-    (all active overrides must need the same one).
+    ``cp_size``/``cp_rank`` (None means cp=1); ``plan.layout()`` fixes the layout (all active
+    overrides must need the same one).
 
     Returned keys: the sliced sequence fields (``input_ids`` | ``inputs_embeds``,
     ``attention_mask`` if given, ``position_ids`` always — global numbers, never restarted at 0),

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from .adapters import core_module_kind
+from .methods import core_module_kind
 
 @dataclass
 class ProbeResult:

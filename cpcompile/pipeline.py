@@ -9,12 +9,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .adapters import region_for
 from .capture import probe_forward, trace_region
-from .combinations import check_method_combination
 from .context import PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import PlanError
+from .methods import method_spec, region_for
 from .passes import run_passes
 from .plan import Override, load_plan
 from .region import RegionProgram, flatten_call
@@ -52,7 +51,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
         return model
     reject_unsupported_combinations(plan)
-    check_method_combination(overrides)
+    plan.layout()  # one batch has one sequence layout: refuse overrides that need different ones
     targets = resolve_targets(model, overrides)
     build_subgroups(mesh, overrides)
     example = example_inputs if example_inputs is not None else default_example(model)
@@ -79,7 +78,7 @@ def build_subgroups(mesh, overrides: list[Override]) -> None:
     `new_group` is collective; a region re-traced later (a new input shape) may do so on one
     rank only, so passes must find their groups already built and cached in the mesh.
     """
-    degrees = sorted({o.method.params["ulysses_degree"] for o in overrides if "ulysses_degree" in o.method.params})
+    degrees = sorted({degree for o in overrides for degree in method_spec(o.method).subgroups(o.method.params)})
     for degree in degrees:
         mesh.cp_subgroups(degree)
 

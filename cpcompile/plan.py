@@ -24,13 +24,13 @@ import inspect
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from . import registry
 from .errors import PlanError
-from .methods import CPMethod
+from .methods import CONTIGUOUS, CPMethod, methods_of_core
+from .methods import names as wrapper_names
 
 logger = logging.getLogger("cpcompile")
 
@@ -180,6 +180,57 @@ class Plan:
             )
         return tuple(o for o in self.overrides if o.when != "cp")
 
+    def layout(self) -> str | None:
+        """The one sequence layout of the batch (`shard_batch`) that the active overrides fix;
+        None when none is active. A `PlanError` when they need different ones (`sequence_layout`)."""
+        return sequence_layout(self.active_overrides())
+
+
+# --------------------------------------------------------------------------- the one-layout rule
+
+
+def sequence_layout(overrides: Iterable[Override]) -> str | None:
+    """The sequence layout every override needs; None without overrides.
+
+    One batch has one sequence layout. Head-Tail load balance needs the batch in head-tail order
+    (rank r holds chunks r and 2·cp−1−r); every other method, and a `local_compute_fn`, needs it
+    contiguous. A plan that mixes them would feed some module tokens in an order its rewrite does
+    not expect, so it is refused, naming two overrides that disagree: by `compile` before anything
+    is traced, and by `shard_batch`, which asks the same rule.
+    """
+    overrides = list(overrides)
+    if not overrides:
+        return None
+    first = overrides[0]
+    for other in overrides[1:]:
+        if _needed_layout(other) != _needed_layout(first):
+            raise _layout_conflict(first, other)
+    return _needed_layout(first)
+
+
+def _needed_layout(override: Override) -> str:
+    return override.method.layout if override.method is not None else CONTIGUOUS
+
+
+def _layout_conflict(a: Override, b: Override) -> PlanError:
+    reordered, plain = (a, b) if _needed_layout(a) != CONTIGUOUS else (b, a)
+    that = f"{reordered.field('inner_wrapper')} (match {reordered.match!r}: {_describe(reordered)})"
+    this = f"this override (match {plain.match!r}: {_describe(plain)})"
+    core = plain.method.core if plain.method is not None else None
+    if core is not None and not any(spec.layout == _needed_layout(reordered) for spec in methods_of_core(core)):
+        kind = core.upper()  # a core kind with no method for the other layout, e.g. GDN
+        reason = (f"{kind} needs the contiguous sequence order, so {this} cannot share a plan with {that}, "
+                  f"which reorders the batch head-tail ({kind} has no Head-Tail support yet)")
+    else:
+        reason = (f"{this} needs the contiguous sequence order but {that} reorders the batch head-tail, "
+                  "and one batch has one order; use Head-Tail for every override or for none")
+    return PlanError(plain.field("inner_wrapper"), reason)
+
+
+def _describe(override: Override) -> str:
+    method = override.method
+    return method.describe() if method is not None else f"local_compute_fn {override.local_compute_fn}"
+
 
 # --------------------------------------------------------------------------- entry point
 
@@ -293,7 +344,7 @@ def _resolve_inner_wrapper(path: str, spec: Any) -> CPMethod:
                 raise PlanError(path, f"parameter names must be strings, got {key!r}")
         if isinstance(target, str):
             try:
-                fn = registry.import_marked_target(target)
+                fn = wrapper_names.import_marked_target(target)
             except ValueError as exc:
                 raise PlanError(f"{path}.{TARGET_KEY}", str(exc)) from exc
             return _call_wrapper(path, target, fn, params)
@@ -310,18 +361,18 @@ def _resolve_inner_wrapper(path: str, spec: Any) -> CPMethod:
 
 
 def _lookup_name(path: str, name: str) -> Callable:
-    names = registry.registered_names()
+    names = wrapper_names.registered_names()
     if name not in names:
         hint = f"; for a dotted path write {{{TARGET_KEY}: {name}}}" if "." in name else ""
         raise PlanError(path, f"unknown inner wrapper {name!r}; registered names: {', '.join(names)}{hint}")
     try:
-        return registry.lookup_registered(name)
+        return wrapper_names.lookup_registered(name)
     except ValueError as exc:
         raise PlanError(path, f"registered wrapper {name!r} cannot be loaded: {exc}") from exc
 
 
 def _check_marked(path: str, fn: Any) -> Callable:
-    if not registry.is_inner_wrapper(fn):
+    if not wrapper_names.is_inner_wrapper(fn):
         raise PlanError(
             path,
             f"{_callable_name(fn)} is not marked with @cpcompile.inner_wrapper; "

@@ -16,6 +16,7 @@ from cpcompile.batch import (
     unshard,
 )
 from cpcompile.methods import CONTIGUOUS, HEAD_TAIL, CPMethod
+from cpcompile.plan import AcceleratorConfig, Override, Plan
 
 try:  # the shared launcher, once it exists; else the private one in test_loss.py
     from dist_utils import run_distributed as _launch  # type: ignore[import-not-found]
@@ -31,15 +32,15 @@ LAYOUTS = [CONTIGUOUS, HEAD_TAIL]
 # ----------------------------------------------------------------------------- stand-ins
 
 
-def _plan(layout, cp_size, *wrappers):
-    """Stand-in for cpcompile.plan.Plan: only cp_size and active_overrides() are used."""
+def _override(match, method=None, local_compute_fn=None):
+    return Override(match=match, when="cp", region_dispatch=False, method=method, local_compute_fn=local_compute_fn)
+
+
+def _plan(layout, cp_size, *wrappers, extra=()):
+    """A plan of one `when: cp` override per wrapper, each a method needing `layout` (+ `extra`)."""
     wrappers = wrappers or ("w_" + layout,)
-    overrides = [
-        types.SimpleNamespace(match=f"layers.*.attn{i}", method=CPMethod("m", "sdpa", w, layout=layout))
-        for i, w in enumerate(wrappers)
-    ]
-    active = overrides if cp_size > 1 else []
-    return types.SimpleNamespace(cp_size=cp_size, active_overrides=lambda: list(active))
+    overrides = [_override(f"layers.*.attn{i}", CPMethod("m", "sdpa", w, layout=layout)) for i, w in enumerate(wrappers)]
+    return Plan(AcceleratorConfig(cp_size=cp_size), (*overrides, *extra))
 
 
 def _mesh(cp_size, cp_rank):
@@ -240,16 +241,15 @@ def test_harmless_flags_pass_through():
 
 
 def test_mixed_layouts_name_both_wrappers():
-    plan = _plan(CONTIGUOUS, 2, "gdn_p2p_wrapper")
-    head_tail = types.SimpleNamespace(match="attn", method=CPMethod("ht", "sdpa", "sdpa_head_tail", layout=HEAD_TAIL))
-    mixed = types.SimpleNamespace(cp_size=2, active_overrides=lambda: plan.active_overrides() + [head_tail])
+    head_tail = _override("attn", CPMethod("ht", "sdpa", "sdpa_head_tail", layout=HEAD_TAIL))
+    mixed = _plan(CONTIGUOUS, 2, "gdn_p2p_wrapper", extra=[head_tail])
     with pytest.raises(ValueError) as err:
         shard_batch(_batch(1, 8), _mesh(2, 0), mixed)
     assert "gdn_p2p_wrapper" in str(err.value) and "sdpa_head_tail" in str(err.value)
 
 
 def test_cp_without_active_override_is_refused():
-    plan = types.SimpleNamespace(cp_size=2, active_overrides=lambda: [])
+    plan = Plan(AcceleratorConfig(cp_size=2))
     with pytest.raises(ValueError, match="no active CP override"):
         shard_batch(_batch(1, 8), _mesh(2, 0), plan)
 
@@ -356,8 +356,7 @@ def test_unshard_restores_global_order(world):
 
 
 def test_local_compute_fn_override_means_contiguous_and_sizes_must_agree():
-    fn_override = types.SimpleNamespace(match="attn", method=None, local_compute_fn="pkg.fn")
-    plan = types.SimpleNamespace(cp_size=2, active_overrides=lambda: [fn_override])
+    plan = Plan(AcceleratorConfig(cp_size=2), (_override("attn", local_compute_fn="pkg.fn"),))
     local = shard_batch(_batch(1, 8), _mesh(2, 1), plan)
     assert local["position_ids"].tolist() == [[4, 5, 6, 7]]
     with pytest.raises(ValueError, match="cp_size=4.*cp_size=2"):

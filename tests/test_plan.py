@@ -10,11 +10,11 @@ import pickle
 
 import pytest
 
-import cpcompile.registry as registry
+import cpcompile.methods.names as wrapper_names
 from cpcompile.errors import PlanError
 from cpcompile.methods import CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan, load_plan
-from cpcompile.registry import inner_wrapper
+from cpcompile.methods import inner_wrapper
 
 DATA = pathlib.Path(__file__).parent / "data"
 SDPA_HF = "cpcompile.wrappers.sdpa_hf_cp_wrapper"
@@ -112,13 +112,13 @@ def test_dict_source_and_defaults():
 
 
 def test_plan_object_is_returned_after_validation():
-    method = registry.lookup_registered("sdpa_hf")()
+    method = wrapper_names.lookup_registered("sdpa_hf")()
     plan = Plan(AcceleratorConfig(cp_size=2), (Override("*.attn", "cp", False, method=method),))
     assert load_plan(plan) is plan
 
 
 def test_hand_built_plan_is_reindexed_and_validated():
-    method = registry.lookup_registered("sdpa_hf")()
+    method = wrapper_names.lookup_registered("sdpa_hf")()
     good = Override("a", "cp", False, method=method, index=7)
     bad = Override("b", "cp", True, method=method, index=7)
     plan = Plan(AcceleratorConfig(cp_size=2), [good, bad])
@@ -130,7 +130,7 @@ def test_hand_built_plan_is_reindexed_and_validated():
 
 
 def test_hand_built_plan_checks_accelerator_and_method():
-    method = registry.lookup_registered("sdpa_hf")()
+    method = wrapper_names.lookup_registered("sdpa_hf")()
     _assert_error(Plan(AcceleratorConfig(cp_size=0)), "accelerator.cp_size", ">= 1")
     _assert_error(Plan(AcceleratorConfig(tp_size=True)), "accelerator.tp_size", "integer")
     _assert_error(Plan({"cp_size": 2}), "accelerator", "AcceleratorConfig")
@@ -325,7 +325,7 @@ def test_overlapping_globs_are_left_to_compile_time():
 # --------------------------------------------------------------------------- inner_wrapper
 
 
-@pytest.mark.parametrize("name", registry.registered_names())
+@pytest.mark.parametrize("name", wrapper_names.registered_names())
 def test_registered_names_resolve(name):
     (o,) = load_plan(_plan(_override(inner_wrapper=name))).overrides
     assert isinstance(o.method, CPMethod)
@@ -334,7 +334,7 @@ def test_registered_names_resolve(name):
 def test_unknown_registered_name_lists_names():
     err = _assert_error(_plan(_override(inner_wrapper="sdpa_magic")), "plan_overrides[0].inner_wrapper",
                         "unknown inner wrapper 'sdpa_magic'")
-    for name in registry.registered_names():
+    for name in wrapper_names.registered_names():
         assert name in err.reason
 
 
@@ -424,7 +424,7 @@ def test_wrapper_parameter_names_must_be_strings():
 
 
 def test_callable_object_in_dict_plan():
-    (o,) = load_plan(_plan(_override(inner_wrapper=registry.lookup_registered("sdpa_qkv")))).overrides
+    (o,) = load_plan(_plan(_override(inner_wrapper=wrapper_names.lookup_registered("sdpa_qkv")))).overrides
     assert o.method.wrapper == "sdpa_qkv_cp_wrapper"
     spec = {"_target_": hybrid_wrapper, "ulysses_degree": 2}
     (o,) = load_plan(_plan(_override(inner_wrapper=spec))).overrides

@@ -86,35 +86,36 @@ def _overrides(*methods):
 @pytest.mark.parametrize("contiguous", ["sdpa_hf_cp_wrapper", "sdpa_hf_ulysses_cp_wrapper", "sdpa_hf_hybrid_cp_wrapper"])
 def test_head_tail_with_contiguous_method_is_refused(contiguous):
     from cpcompile import wrappers
-    from cpcompile.combinations import check_method_combination
+    from cpcompile.plan import sequence_layout
 
     params = {"ulysses_degree": 2} if "hybrid" in contiguous else {}
     overrides = _overrides(("*.layers.0.self_attn", wrappers.sdpa_hf_load_balance_cp_wrapper()),
                            ("*.layers.1.self_attn", getattr(wrappers, contiguous)(**params)))
     with pytest.raises(ValueError) as err:
-        check_method_combination(overrides)
+        sequence_layout(overrides)
     for word in ("plan_overrides[1].inner_wrapper", "*.layers.1.self_attn", "plan_overrides[0].inner_wrapper",
                  "*.layers.0.self_attn", "contiguous sequence order", "head-tail"):
         assert word in str(err.value), f"{word!r} not in {err.value}"
 
 
 def test_head_tail_with_gdn_is_refused():
-    from cpcompile.combinations import check_method_combination
+    from cpcompile.plan import sequence_layout
     from cpcompile.methods import CPMethod
     from cpcompile.wrappers import sdpa_hf_load_balance_cp_wrapper
 
     gdn = CPMethod(name="ulysses", core="gdn", wrapper="gdn_ulysses_wrapper")
     overrides = _overrides(("*.linear_attn", gdn), ("*.self_attn", sdpa_hf_load_balance_cp_wrapper()))
     with pytest.raises(ValueError) as err:
-        check_method_combination(overrides)
+        sequence_layout(overrides)
     for word in ("plan_overrides[0].inner_wrapper", "*.linear_attn", "plan_overrides[1].inner_wrapper",
                  "*.self_attn", "GDN needs the contiguous sequence order"):
         assert word in str(err.value), f"{word!r} not in {err.value}"
 
 
 def test_head_tail_alone_or_other_methods_alone_are_accepted():
-    from cpcompile.combinations import check_method_combination
+    from cpcompile.plan import sequence_layout
     from cpcompile.wrappers import sdpa_hf_cp_wrapper, sdpa_hf_load_balance_cp_wrapper, sdpa_hf_ulysses_cp_wrapper
 
-    check_method_combination(_overrides(("a", sdpa_hf_load_balance_cp_wrapper()), ("b", sdpa_hf_load_balance_cp_wrapper())))
-    check_method_combination(_overrides(("a", sdpa_hf_cp_wrapper()), ("b", sdpa_hf_ulysses_cp_wrapper())))
+    both_head_tail = _overrides(("a", sdpa_hf_load_balance_cp_wrapper()), ("b", sdpa_hf_load_balance_cp_wrapper()))
+    assert sequence_layout(both_head_tail) == "head_tail"
+    assert sequence_layout(_overrides(("a", sdpa_hf_cp_wrapper()), ("b", sdpa_hf_ulysses_cp_wrapper()))) == "contiguous"

@@ -18,8 +18,8 @@ from torch import nn
 
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
 from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
-from ..methods import CONTIGUOUS, CPMethod
-from ..registry import inner_wrapper
+from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
+from ..passes.gdn import all_gather, p2p, ulysses
 
 # Both Hugging Face identities map to this one provider.
 ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5_text"}
@@ -120,28 +120,27 @@ class GdnRegion:
         return gdn_layer_forward(layer, hidden_states, attention_mask, chunk_size=self.chunk_size, backend=self.backend)
 
 
-def _gdn_method(name: str, wrapper: str, backend: str, chunk_size: int) -> CPMethod:
+def _gdn_method(spec: MethodSpec, wrapper: str, backend: str, chunk_size: int) -> CPMethod:
     check_backend(backend)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if backend == "triton" and chunk_size != CHUNK_SIZE:
         raise ValueError(f"the triton GDN backend supports chunk_size={CHUNK_SIZE} only, got {chunk_size}")
-    return CPMethod(name=name, core="gdn", wrapper=wrapper, layout=CONTIGUOUS,
-                    params={"backend": backend, "chunk_size": chunk_size, "adapter": ADAPTER})
+    return spec.cp_method(wrapper, backend=backend, chunk_size=chunk_size, adapter=ADAPTER)
 
 
 @inner_wrapper
 def qwen3_5_gdn_ulysses_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
     """GDN Ulysses: q, k, v, g, β sequence→head all-to-all, full-sequence core on K/cp and V/cp
     heads, output head→sequence. K heads and V heads must divide by cp."""
-    return _gdn_method("ulysses", "qwen3_5_gdn_ulysses_cp_wrapper", backend, chunk_size)
+    return _gdn_method(ulysses.ULYSSES, "qwen3_5_gdn_ulysses_cp_wrapper", backend, chunk_size)
 
 
 @inner_wrapper
 def qwen3_5_gdn_p2p_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
     """GDN State-P2P: conv halo from rank r−1, local (M, S) summary, fp32 state chain
     rank 0 → P−1 (gradient chain P−1 → 0 in backward); every rank keeps all heads."""
-    return _gdn_method("p2p", "qwen3_5_gdn_p2p_cp_wrapper", backend, chunk_size)
+    return _gdn_method(p2p.P2P, "qwen3_5_gdn_p2p_cp_wrapper", backend, chunk_size)
 
 
 @inner_wrapper
@@ -150,4 +149,7 @@ def qwen3_5_gdn_all_gather_cp_wrapper(backend: str = "eager", chunk_size: int = 
     prefix in rank order. Eager backend only."""
     if backend != "eager":
         raise ValueError(f"GDN State-AllGather supports backend='eager' only, got {backend!r}")
-    return _gdn_method("all_gather", "qwen3_5_gdn_all_gather_cp_wrapper", backend, chunk_size)
+    return _gdn_method(all_gather.ALL_GATHER, "qwen3_5_gdn_all_gather_cp_wrapper", backend, chunk_size)
+
+
+register_adapter(AdapterSpec(ADAPTER, core="gdn", region=GdnRegion, is_core_module=is_gdn_layer))

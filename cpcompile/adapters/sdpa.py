@@ -5,6 +5,8 @@ from typing import Any
 
 from torch import nn
 
+from ..methods import AdapterSpec, register_adapter
+
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 
 
@@ -22,3 +24,6 @@ class SdpaRegion:
     def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # the class's forward: the instance's may already be cpcompile's replacement
         return type(module).forward(module, *args, **kwargs)
+
+
+register_adapter(AdapterSpec("sdpa", core="sdpa", region=lambda method: SdpaRegion()))

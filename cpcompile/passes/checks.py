@@ -5,17 +5,11 @@ import torch.fx as fx
 
 from .. import collectives as C
 from ..context import PassContext
-from .gdn.match import find_gdn_cores
-from .sdpa.match import find_sdpa_cores
-
-CORE_FINDERS = {"sdpa": find_sdpa_cores, "gdn": find_gdn_cores}
+from ..methods import method_spec
 
 
 def find_cores_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    finder = CORE_FINDERS.get(ctx.method.core)
-    if finder is None:
-        raise NotImplementedError(f"{ctx.fqn}: no matcher for {ctx.method.core!r} cores")
-    if not finder(gm):
+    if not method_spec(ctx.method).find(gm):
         raise ValueError(
             f"{ctx.fqn}: the plan selects {ctx.method.describe()} but the traced module has no "
             f"{ctx.method.core} core (for SDPA: is the model using attn_implementation='sdpa'?)"

@@ -39,7 +39,7 @@ import torch.fx as fx
 
 from .. import collectives as C
 from ..context import PassContext
-from .checks import CORE_FINDERS
+from ..methods import method_spec
 from .graph_utils import ancestors, descendants
 
 # Static priority classes of ordinary nodes (rules 2, 4, 5, 6 of the module docstring; lower runs
@@ -79,7 +79,7 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.method.asynchronous:
         return gm
     gm.graph.eliminate_dead_code()  # nodes the rewrite left unused must not pass for overlapped work
-    cores = {m.node for m in CORE_FINDERS[ctx.method.core](gm)}
+    cores = {m.node for m in method_spec(ctx.method).find(gm)}
     collectives = find_collectives(gm, cores, ctx)
     order = priority_order(gm.graph, collectives)
     reorder_graph(gm.graph, order)
@@ -330,5 +330,5 @@ def check_overlap(gm: fx.GraphModule, collectives: list[Collective], cores: set[
 
 
 def sync_counterpart(ctx: PassContext) -> str:
-    """The wrapper of the same method without the async schedule (async names add `_async`)."""
-    return f"wrapper {ctx.method.wrapper.replace('_async', '')}"
+    """The wrapper of the same method without the async schedule, as the method registered it."""
+    return f"wrapper {method_spec(ctx.method).sync_wrapper}"

@@ -5,6 +5,7 @@
 - `rewrite.py`    `gdn_rewrite_pass`: the conv halo, then the region's method
 - one file per method: `ulysses.py`, `p2p.py` (State-P2P), `all_gather.py` (State-AllGather)
 """
+from . import all_gather, p2p, ulysses  # noqa: F401  (each registers its method)
 from .rewrite import gdn_rewrite_pass
 
 __all__ = ["gdn_rewrite_pass"]

@@ -6,10 +6,11 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import register_method
 from ..comm import gather_ranks, note_once
 from ..graph_utils import Emitter
 from .fragments import PASS, apply_summary, local_summary, zero_state
-from .match import GdnMatch
+from .match import GdnMatch, gdn_method
 
 aten = torch.ops.aten
 
@@ -27,3 +28,6 @@ def rewrite_all_gather(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) ->
     state = emit(aten.select.int, emit(aten.stack.default, prefixes), 0, ctx.cp_rank)
     match.replace_with(gm, match.emit_core(emit, *match.inputs, initial_state=state))
     note_once(ctx, "state prefix: ranks 0..r-1 composed in rank order")
+
+
+ALL_GATHER = register_method(gdn_method("all_gather", rewrite_all_gather))

@@ -8,9 +8,11 @@ import torch
 import torch.fx as fx
 
 from ...kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
+from ...methods import MethodSpec
 from ..graph_utils import CoreMatch
 
 aten = torch.ops.aten
+CORE = "gdn"
 GDN_CHUNK = torch.ops.cpcompile.gdn_chunk.default
 PAD_OPS = (aten.pad.default, aten.constant_pad_nd.default)
 CONV_OPS = (aten.conv1d.default, aten.convolution.default)
@@ -74,3 +76,9 @@ def find_gdn_cores(gm: fx.GraphModule) -> list[GdnMatch]:
         raise ValueError(f"expected one GDN core per region, found {len(cores)}")
     pad, halo = _conv_left_pad(gm)
     return [GdnMatch(cores[0], pad, halo)]
+
+
+def gdn_method(name: str, rewrite) -> MethodSpec:
+    """The spec of a GDN method: its core is one `cpcompile::gdn_chunk` node. The region adapter is
+    the model's: its wrappers name it (`adapter` parameter)."""
+    return MethodSpec(core=CORE, name=name, find=find_gdn_cores, rewrite=rewrite)

@@ -14,10 +14,11 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import register_method
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter
 from .fragments import PASS, apply_summary, local_summary, zero_state
-from .match import GdnMatch
+from .match import GdnMatch, gdn_method
 
 aten = torch.ops.aten
 GDN_P2P_CHUNK = torch.ops.cpcompile.gdn_p2p_chunk.default
@@ -48,3 +49,6 @@ def rewrite_p2p_triton(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) ->
     match.replace_with(gm, emit(operator.getitem, fused, 0))
     note_once(ctx, f"state chain: inside cpcompile::gdn_p2p_chunk (isend/irecv of one fp32 state per step, "
                    f"{ctx.cp_size - 1} steps forward and backward)")
+
+
+P2P = register_method(gdn_method("p2p", rewrite_p2p))

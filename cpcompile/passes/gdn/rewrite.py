@@ -11,26 +11,22 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import method_spec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
 from .fragments import PASS
-from .all_gather import rewrite_all_gather
-from .match import GdnMatch, find_gdn_cores
-from .p2p import rewrite_p2p
-from .ulysses import rewrite_ulysses
+from .match import CORE, GdnMatch
 
 aten = torch.ops.aten
 
 
 def gdn_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.method.core != "gdn":
+    if ctx.method.core != CORE:
         return gm
-    rewrite = GDN_REWRITES.get(ctx.method.name)
-    if rewrite is None:
-        raise NotImplementedError(f"{ctx.fqn}: GDN method {ctx.method.name!r} has no rewrite")
-    for match in find_gdn_cores(gm):
+    spec = method_spec(ctx.method)  # each method registers its rewrite in its own file
+    for match in spec.find(gm):
         fill_conv_halo(gm, match, ctx)
-        rewrite(gm, match, ctx)
+        spec.rewrite(gm, match, ctx)
         ctx.cores_rewritten += 1
     gm.graph.lint()
     gm.recompile()
@@ -55,5 +51,3 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> Non
     match.replace_pad_with(emit(aten.cat.default, [halo, x], 2))
     note_once(ctx, f"conv halo: {match.halo} tokens from rank r-1 (zeros on rank 0)")
 
-
-GDN_REWRITES = {"ulysses": rewrite_ulysses, "p2p": rewrite_p2p, "all_gather": rewrite_all_gather}

@@ -6,9 +6,10 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import register_method
 from ..graph_utils import Emitter, val
 from .fragments import PASS, heads_to_seq, seq_to_heads
-from .match import GdnMatch
+from .match import GdnMatch, gdn_method
 
 
 def rewrite_ulysses(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
@@ -23,3 +24,6 @@ def rewrite_ulysses(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> No
     moved = [seq_to_heads(emit, ctx, x, purpose=f"{name} seq->head") for x, name in zip(match.inputs, "q k v g beta".split())]
     core = match.emit_core(emit, *moved)
     match.replace_with(gm, heads_to_seq(emit, ctx, core, purpose="o head->seq"))
+
+
+ULYSSES = register_method(gdn_method("ulysses", rewrite_ulysses))

@@ -6,6 +6,7 @@
 - `rewrite.py`    `sdpa_rewrite_pass`: every core of a region with the region's method
 - one file per method: `all_gather.py`, `ulysses.py`, `hybrid.py`, `head_tail.py`
 """
+from . import all_gather, head_tail, hybrid, ulysses  # noqa: F401  (each registers its method)
 from .rewrite import sdpa_rewrite_pass
 
 __all__ = ["sdpa_rewrite_pass"]

@@ -11,12 +11,13 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import register_method
 from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, val
 from .fragments import (
     SEQ_DIM, check_self_attention, emit_attention, gathered_key_valid, local_key_validity, visible_keys,
 )
-from .match import SdpaMatch
+from .match import SdpaMatch, sdpa_method
 
 
 def rewrite_all_gather(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:
@@ -77,3 +78,7 @@ def global_mask_for(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx: Pa
     causal, key_valid = local_key_validity(emit, gm, match, ctx)
     gathered = gathered_key_valid(emit, ctx, key_valid)
     return causal, visible_keys(emit, gathered, causal, q_len, global_len, ctx.cp_rank * q_len, val(match.query).device)
+
+
+ALL_GATHER = register_method(sdpa_method("all_gather", rewrite_all_gather))
+ASYNC_ALL_GATHER = register_method(ALL_GATHER.async_variant(sync_wrapper="sdpa_hf_cp_wrapper"))

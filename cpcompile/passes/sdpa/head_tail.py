@@ -18,13 +18,14 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import HEAD_TAIL, register_method
 from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, evaluate_node, val
 from .fragments import (
     all_valid_keys, check_self_attention, emit_attention, gathered_key_valid, mask_row, visible_keys,
 )
 from .masks import CAUSAL, classify_local_mask
-from .match import SdpaMatch
+from .match import SdpaMatch, sdpa_method
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # SDPA layout [B, H, S, D]; gathered key validity is [B, 1, 1, S]
@@ -120,3 +121,6 @@ def is_chunkwise_causal(mask: torch.Tensor, chunk: int) -> bool:
         return False
     causal = torch.ones(chunk, chunk, dtype=torch.bool, device=mask.device).tril()
     return torch.equal(mask, torch.block_diag(causal, causal).expand_as(mask))
+
+
+LOAD_BALANCE = register_method(sdpa_method("head_tail", rewrite_head_tail, layout=HEAD_TAIL))

@@ -3,17 +3,21 @@
 Q/K/V are exchanged sequence→head inside this rank's Ulysses sub-group, K/V are then
 all-gathered along the sequence inside its ring sub-group, attention runs on H/u heads of the
 queries of u sequence blocks against the whole sequence, and the output goes back head→sequence.
-The sub-groups are the ones `pipeline.build_subgroups` created for every rank before any trace;
-a pass only looks them up (`new_group` is collective and must never run inside one rank's trace).
+The sub-groups are the ones `compile` created for every rank before any trace (this method's
+`subgroups` in its registration); a pass only looks them up (`new_group` is collective and must
+never run inside one rank's trace).
 """
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 import torch.distributed as dist
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import register_method
 from ..comm import CommGroup, note_once
-from .match import SdpaMatch
+from .match import SdpaMatch, sdpa_method
 from .ulysses import rewrite_head_parallel
 
 
@@ -38,3 +42,12 @@ def hybrid_groups(ctx: PassContext, degree: int) -> tuple[CommGroup, CommGroup]:
     )
     note_once(ctx, note)
     return ulysses, ring
+
+
+def hybrid_subgroups(params: Mapping[str, Any]) -> tuple[int, ...]:
+    """The Ulysses degree whose (Ulysses, ring) sub-groups a Hybrid region uses."""
+    return (params["ulysses_degree"],)
+
+
+HYBRID = register_method(sdpa_method("hybrid", rewrite_hybrid, subgroups=hybrid_subgroups))
+ASYNC_HYBRID = register_method(HYBRID.async_variant(sync_wrapper="sdpa_hf_hybrid_cp_wrapper"))

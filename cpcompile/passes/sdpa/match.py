@@ -7,9 +7,11 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
+from ...methods import MethodSpec
 from ..graph_utils import CoreMatch
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
+CORE = "sdpa"
 
 
 @dataclass
@@ -83,3 +85,8 @@ def repeat_kv_source(node: fx.Node) -> fx.Node | None:
     if len(src_shape) != 4 or out_shape[0] != src_shape[0] or tuple(out_shape[2:]) != tuple(src_shape[2:]):
         return None
     return source
+
+
+def sdpa_method(name: str, rewrite, **spec) -> MethodSpec:
+    """The spec of an SDPA method: its cores are SDPA calls, its regions traced by the SDPA adapter."""
+    return MethodSpec(core=CORE, name=name, find=find_sdpa_cores, rewrite=rewrite, adapter="sdpa", **spec)

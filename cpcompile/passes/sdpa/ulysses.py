@@ -12,10 +12,11 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...methods import register_method
 from ..comm import CommGroup, all_gather_sequence, all_to_all, cp_group, note_once
 from ..graph_utils import Emitter, val
 from .fragments import check_self_attention, emit_attention, gathered_key_valid, local_key_validity, visible_keys
-from .match import SdpaMatch
+from .match import SdpaMatch, sdpa_method
 
 aten = torch.ops.aten
 HEAD_DIM, SEQ_DIM = 1, 2  # SDPA layout [B, H, S, D]
@@ -97,3 +98,7 @@ def seq_to_heads(emit: Emitter, ctx: PassContext, x: fx.Node, group: CommGroup, 
 
 def heads_to_seq(emit: Emitter, ctx: PassContext, x: fx.Node, group: CommGroup, purpose: str) -> fx.Node:
     return all_to_all(emit, ctx, x, scatter_dim=SEQ_DIM, gather_dim=HEAD_DIM, group=group, purpose=purpose)
+
+
+ULYSSES = register_method(sdpa_method("ulysses", rewrite_ulysses))
+ASYNC_ULYSSES = register_method(ULYSSES.async_variant(sync_wrapper="sdpa_hf_ulysses_cp_wrapper"))

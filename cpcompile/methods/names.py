@@ -1,4 +1,4 @@
-"""The `@inner_wrapper` marker and the registry of wrapper names usable in a plan.
+"""The `@inner_wrapper` marker and the short wrapper names usable in a plan (part of the method registry).
 
 A plan may name a wrapper by a registered short name (`sdpa_hf`) or by `_target_`, a dotted
 path. A dotted path is only accepted when it resolves to a callable carrying the marker, so a

@@ -1,4 +1,6 @@
-"""What a plan override asks for, as data: the rewrite passes read this, never the YAML."""
+"""What a plan override asks for, as data: the rewrite passes read this, never the YAML.
+
+A wrapper makes its `CPMethod` from the method's registered spec (`MethodSpec.cp_method`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
