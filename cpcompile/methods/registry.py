@@ -102,9 +102,10 @@ def register_adapter(spec: AdapterSpec) -> AdapterSpec:
 
 
 def _load_builtins() -> None:
-    """cpcompile's own methods and adapters register when their modules are imported; make sure
+    """cpcompile's own methods and adapters register when their modules are imported, which the
+    wrappers naming them import (a plan's own wrappers do the same for its methods); make sure
     they are, whichever cpcompile module a caller happened to import first."""
-    from .. import adapters, passes  # noqa: F401
+    from .. import adapters, wrappers  # noqa: F401
 
 
 def method_spec(method: CPMethod) -> MethodSpec:
