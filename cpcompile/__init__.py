@@ -7,16 +7,20 @@
     loss = model(**local).loss
 """
 from .batch import shard_batch, unshard
-from .errors import CPConfigError, PlanError
-from .pipeline import compile
+from .errors import (
+    AlreadyCompiledError, CoverageError, CPCompileError, CPConfigError, CPInputError, GDNCapabilityError, PlanError,
+    UnsupportedError, UnsupportedMaskError,
+)
 from .loss import all_reduce_gradients, global_mean_loss
 from .mesh import CPMesh, build_mesh
 from .methods import CPMethod, inner_wrapper, register_inner_wrapper
+from .pipeline import compile
 from .plan import AcceleratorConfig, Override, Plan, load_plan
 
 __all__ = [
-    "AcceleratorConfig", "CPConfigError", "CPMesh", "CPMethod", "Override", "Plan", "PlanError",
-    "all_reduce_gradients", "build_mesh", "compile", "global_mean_loss", "inner_wrapper",
+    "AcceleratorConfig", "AlreadyCompiledError", "CPCompileError", "CPConfigError", "CPInputError", "CPMesh",
+    "CPMethod", "CoverageError", "GDNCapabilityError", "Override", "Plan", "PlanError", "UnsupportedError",
+    "UnsupportedMaskError", "all_reduce_gradients", "build_mesh", "compile", "global_mean_loss", "inner_wrapper",
     "load_plan", "register_inner_wrapper", "shard_batch", "unshard",
 ]
 __version__ = "0.1.0"

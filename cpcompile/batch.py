@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .errors import CPConfigError, CPInputError
 from .methods import CONTIGUOUS, HEAD_TAIL
 
 IGNORE_INDEX = -100
@@ -68,7 +69,7 @@ def required_multiple(layout: str, cp_size: int) -> int:
         return cp_size
     if layout == HEAD_TAIL:
         return 2 * cp_size
-    raise ValueError(f"unknown sequence layout {layout!r}; expected {CONTIGUOUS!r} or {HEAD_TAIL!r}")
+    raise CPInputError(f"unknown sequence layout {layout!r}; expected {CONTIGUOUS!r} or {HEAD_TAIL!r}")
 
 
 def local_indices(seq_len: int, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
@@ -80,9 +81,9 @@ def local_indices(seq_len: int, cp_size: int, cp_rank: int, layout: str) -> torc
     """
     multiple = required_multiple(layout, cp_size)
     if seq_len % multiple:
-        raise ValueError(f"sequence length {seq_len} is not a multiple of {multiple} ({layout}, cp={cp_size})")
+        raise CPInputError(f"sequence length {seq_len} is not a multiple of {multiple} ({layout}, cp={cp_size})")
     if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
+        raise CPInputError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
     chunk = seq_len // multiple
     if layout == CONTIGUOUS:
         return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
@@ -121,12 +122,12 @@ def _batch_layout(mesh: Any, plan: Any) -> tuple[int, int, str]:
     cp_size, cp_rank = _cp_size_and_rank(mesh)
     plan_cp = getattr(plan, "cp_size", None)
     if plan_cp is not None and int(plan_cp) != cp_size:
-        raise ValueError(f"plan has cp_size={plan_cp} but the mesh has cp_size={cp_size}")
+        raise CPConfigError(f"plan has cp_size={plan_cp} but the mesh has cp_size={cp_size}")
     if cp_size == 1:  # nothing is sliced, so no layout is needed
         return cp_size, cp_rank, CONTIGUOUS
     layout = plan.layout()  # the one-layout rule (`cpcompile.plan.sequence_layout`)
     if layout is None:
-        raise ValueError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
+        raise CPInputError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
     return cp_size, cp_rank, layout
 
 
@@ -138,12 +139,12 @@ def _check_keys(batch: Mapping[str, Any]) -> None:
         if key in _HARMLESS_VALUES:
             if value is None or (not isinstance(value, torch.Tensor) and value in _HARMLESS_VALUES[key]):
                 continue
-            raise ValueError(f"shard_batch: {key}={value!r} is not supported: {_REJECT_REASONS[key]}")
+            raise CPInputError(f"shard_batch: {key}={value!r} is not supported: {_REJECT_REASONS[key]}")
         if key in _REJECT_REASONS:
-            raise ValueError(f"shard_batch: {key!r} is not supported: {_REJECT_REASONS[key]}")
+            raise CPInputError(f"shard_batch: {key!r} is not supported: {_REJECT_REASONS[key]}")
         if key not in ALLOWED_KEYS:
             kind = "tensor" if isinstance(value, torch.Tensor) else "entry"
-            raise ValueError(
+            raise CPInputError(
                 f"shard_batch: unknown {kind} {key!r}; CP cannot guess how to split it. "
                 f"Allowed keys: {', '.join(sorted(ALLOWED_KEYS))}"
             )
@@ -154,11 +155,11 @@ def _check_keys(batch: Mapping[str, Any]) -> None:
 def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int]:
     ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
     if (ids is None) == (embeds is None):
-        raise ValueError("shard_batch: pass exactly one of 'input_ids' [B, S] or 'inputs_embeds' [B, S, H]")
+        raise CPInputError("shard_batch: pass exactly one of 'input_ids' [B, S] or 'inputs_embeds' [B, S, H]")
     if ids is not None and ids.dim() != 2:
-        raise ValueError(f"shard_batch: 'input_ids' must be [B, S], got shape {tuple(ids.shape)}")
+        raise CPInputError(f"shard_batch: 'input_ids' must be [B, S], got shape {tuple(ids.shape)}")
     if embeds is not None and embeds.dim() != 3:
-        raise ValueError(f"shard_batch: 'inputs_embeds' must be [B, S, H], got shape {tuple(embeds.shape)}")
+        raise CPInputError(f"shard_batch: 'inputs_embeds' must be [B, S, H], got shape {tuple(embeds.shape)}")
     main = ids if ids is not None else embeds
     return main.shape[0], main.shape[1]
 
@@ -166,19 +167,19 @@ def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int]:
 def _check_field_shapes(batch: Mapping[str, Any], bsz: int, seq_len: int) -> None:
     mask = batch.get("attention_mask")
     if mask is not None and mask.dim() != 2:
-        raise ValueError(
+        raise CPInputError(
             f"shard_batch: 'attention_mask' has shape {tuple(mask.shape)}; pass the 2-D [B, S] padding mask, "
             "CP builds the causal/global attention mask itself"
         )
     for key in ("attention_mask", "labels", "shift_labels"):
         value = batch.get(key)
         if value is not None and tuple(value.shape) != (bsz, seq_len):
-            raise ValueError(f"shard_batch: {key!r} must have shape {(bsz, seq_len)}, got {tuple(value.shape)}")
+            raise CPInputError(f"shard_batch: {key!r} must have shape {(bsz, seq_len)}, got {tuple(value.shape)}")
     pos = batch.get("position_ids")
     if pos is not None:
         ok = (pos.dim() == 2 and pos.shape[0] in (1, bsz)) or (pos.dim() == 3 and pos.shape[1] in (1, bsz))
         if not ok or pos.shape[-1] != seq_len:
-            raise ValueError(
+            raise CPInputError(
                 f"shard_batch: 'position_ids' must be [B, S], [1, S] or [n, B, S] with S={seq_len}, B={bsz}; "
                 f"got {tuple(pos.shape)}"
             )
@@ -197,7 +198,7 @@ def _check_not_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> 
         both_real = mask[:, 1:].bool() & mask[:, :-1].bool()
         step_ok = step_ok | ~both_real
     if not bool(step_ok.all()):
-        raise ValueError(
+        raise CPInputError(
             "shard_batch: 'position_ids' do not increase by 1 between consecutive tokens of a row "
             "(packed sequences?); packed/varlen batches are not supported with CP yet"
         )
@@ -297,7 +298,7 @@ def shard_batch(
     multiple = required_multiple(layout, cp_size)
     if seq_len % multiple:
         if not pad:
-            raise ValueError(
+            raise CPInputError(
                 f"shard_batch: sequence length S={seq_len} is not a multiple of {multiple} required by the "
                 f"{layout!r} layout with cp_size={cp_size}; pass pad=True to right-pad the batch at the end"
             )

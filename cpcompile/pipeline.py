@@ -12,7 +12,7 @@ import torch.nn as nn
 from .capture import probe_forward, trace_region
 from .context import PassContext
 from .dump import Dump, resolve_dump_dir
-from .errors import PlanError
+from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
 from .passes import run_passes
 from .plan import Override, load_plan
@@ -45,7 +45,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     """
     plan = load_plan(plan)
     if plan.cp_size != mesh.cp_size:
-        raise ValueError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
+        raise CPConfigError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
     overrides = plan.active_overrides()
     if not overrides:
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
@@ -69,7 +69,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
 
 def reject_unsupported_combinations(plan) -> None:
     for name, size in plan.accelerator.not_with_cp():
-        raise NotImplementedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
+        raise UnsupportedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
 
 
 def build_subgroups(mesh, overrides: list[Override]) -> None:
@@ -99,7 +99,7 @@ def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]
                 raise PlanError(override.field("match"), f"module {region_fqn!r} is also matched by {other.field('match')} ({other.match!r})")
             module = modules[region_fqn]
             if hasattr(module, MARKER):
-                raise RuntimeError(f"module {region_fqn!r} was already compiled by cpcompile ({getattr(module, MARKER)})")
+                raise AlreadyCompiledError(f"module {region_fqn!r} was already compiled by cpcompile ({getattr(module, MARKER)})")
             targets[region_fqn] = Target(region_fqn, module, override)
     for fqn in targets:
         for other in targets:
@@ -116,20 +116,20 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
         covering = [by_fqn[f] for f in stack if f in by_fqn]
         where = stack[-1] if stack else "<model>"
         if not covering:
-            raise ValueError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
+            raise CoverageError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
         target = covering[0]
         if target.override.method.core != kind:
-            raise ValueError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
+            raise CoverageError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
         seen.add(target.fqn)
     for target in targets:
         if target.fqn not in seen:
-            raise ValueError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
+            raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
 
 
 def default_example(model: nn.Module) -> dict:
     get_embeddings = getattr(model, "get_input_embeddings", None)
     if get_embeddings is None:
-        raise ValueError("pass example_inputs=: cpcompile can only make an example batch for Hugging Face models")
+        raise CPInputError("pass example_inputs=: cpcompile can only make an example batch for Hugging Face models")
     embeddings = get_embeddings()
     ids = torch.randint(0, embeddings.num_embeddings, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0))
     ids = ids.to(embeddings.weight.device)

@@ -11,6 +11,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
+from .errors import UnsupportedError
 
 # Non-tensor call arguments a traced graph may be specialised on (by value).
 PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device)
@@ -58,7 +59,7 @@ class RegionProgram:
             elif spec.kind in (InputKind.CONSTANT_TENSOR, InputKind.CUSTOM_OBJ):
                 state.append(ep.constants[spec.target])
             else:
-                raise NotImplementedError(f"unsupported exported input kind {spec.kind}")
+                raise UnsupportedError(f"unsupported exported input kind {spec.kind}")
         return cls(ep.graph_module, state, ep.call_spec.out_spec)
 
     def flat_inputs(self, leaves: list[Any]) -> list[Any]:

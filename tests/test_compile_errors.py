@@ -105,18 +105,18 @@ def outcome(name):
 
 
 @pytest.mark.parametrize("name, error, words", [
-    ("uncovered", "ValueError", ["model.layers.1.self_attn", "not covered"]),
+    ("uncovered", "CoverageError", ["model.layers.1.self_attn", "not covered"]),
     ("doubly_covered", "PlanError", ["model.layers.0.self_attn", "also matched"]),
     ("nested", "PlanError", ["model.layers.0.self_attn", "inside", "model.layers.0"]),
     ("no_match", "PlanError", ["plan_overrides[0].match", "matches no module"]),
-    ("twice", "RuntimeError", ["already compiled"]),
-    ("cp_size_mismatch", "ValueError", ["cp_size=4", "size 2"]),
-    ("tp_with_cp", "NotImplementedError", ["accelerator.tp_size=2", "not supported"]),
-    ("inference_cache", "ValueError", ["use_cache=False", "cache"]),
+    ("twice", "AlreadyCompiledError", ["already compiled"]),
+    ("cp_size_mismatch", "CPConfigError", ["cp_size=4", "size 2"]),
+    ("tp_with_cp", "UnsupportedError", ["accelerator.tp_size=2", "not supported"]),
+    ("inference_cache", "CPInputError", ["use_cache=False", "cache"]),
     ("sliding_window", "UnsupportedMaskError", ["sliding-window"]),
-    ("eager_attention", "ValueError", ["ran no sdpa core"]),
-    ("cross_lengths", "ValueError", ["4 queries but 6 keys"]),
-    ("not_hf_without_example", "ValueError", ["example_inputs"]),
+    ("eager_attention", "CoverageError", ["ran no sdpa core"]),
+    ("cross_lengths", "CPInputError", ["4 queries but 6 keys"]),
+    ("not_hf_without_example", "CPInputError", ["example_inputs"]),
 ])
 def test_fail_fast_rule(name, error, words):
     assert_fails_with(name, outcome(name), error, words)

@@ -196,14 +196,14 @@ def errors():
 
 
 @pytest.mark.parametrize("name, kind, words", [
-    ("ulysses_heads", "ValueError", ["key heads (1)", "value heads (3)", "cp_size=2", "State-P2P"]),
-    ("inference_cache", "ValueError", ["cache", "use_cache=False"]),
-    ("packed", "ValueError", ["cu_seq_lens_q", "packed"]),
-    ("shorter_than_halo", "ValueError", ["local sequence length 2", "conv halo (3 tokens)"]),
-    ("twice", "RuntimeError", ["already compiled"]),
-    ("tp_with_gdn", "NotImplementedError", ["tp_size=2"]),
-    ("uncovered_gdn", "ValueError", ["model.layers.1.linear_attn", "not covered"]),
-    ("sdpa_method_on_gdn", "ValueError", ["runs a gdn core", "sdpa"]),
+    ("ulysses_heads", "CPInputError", ["key heads (1)", "value heads (3)", "cp_size=2", "State-P2P"]),
+    ("inference_cache", "CPInputError", ["cache", "use_cache=False"]),
+    ("packed", "CPInputError", ["cu_seq_lens_q", "packed"]),
+    ("shorter_than_halo", "CPInputError", ["local sequence length 2", "conv halo (3 tokens)"]),
+    ("twice", "AlreadyCompiledError", ["already compiled"]),
+    ("tp_with_gdn", "UnsupportedError", ["tp_size=2"]),
+    ("uncovered_gdn", "CoverageError", ["model.layers.1.linear_attn", "not covered"]),
+    ("sdpa_method_on_gdn", "CoverageError", ["runs a gdn core", "sdpa"]),
     ("all_gather_triton", "PlanError", ["State-AllGather", "eager"]),
     ("bad_backend", "PlanError", ["backend", "cuda"]),
     ("bad_chunk", "PlanError", ["chunk_size", "positive"]),

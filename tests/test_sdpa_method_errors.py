@@ -60,14 +60,14 @@ def outcome(name):
 
 
 @pytest.mark.parametrize("name, error, words", [
-    ("ulysses_query_heads", "ValueError", ["model.layers.0.self_attn", "6 query heads", "cp_size=4"]),
-    ("ulysses_kv_heads", "ValueError", ["model.layers.0.self_attn", "3 KV heads", "cp_size=4"]),
+    ("ulysses_query_heads", "CPInputError", ["model.layers.0.self_attn", "6 query heads", "cp_size=4"]),
+    ("ulysses_kv_heads", "CPInputError", ["model.layers.0.self_attn", "3 KV heads", "cp_size=4"]),
     ("ulysses_degree_given", "PlanError", ["plan_overrides[0].inner_wrapper", "ulysses_degree"]),
-    ("hybrid_heads", "ValueError", ["model.layers.0.self_attn", "3 query heads", "ulysses_degree=2", "cp_size=4"]),
+    ("hybrid_heads", "CPInputError", ["model.layers.0.self_attn", "3 query heads", "ulysses_degree=2", "cp_size=4"]),
     ("hybrid_degree_one", "PlanError", ["plan_overrides[0].inner_wrapper", "ulysses_degree must be an integer >= 2"]),
     ("hybrid_degree_is_cp", "CPConfigError", ["1 < ulysses_degree < cp_size", "ulysses_degree=4, cp_size=4"]),
     ("hybrid_cp_not_divisible", "CPConfigError", ["cp_size=4 is not divisible by ulysses_degree=3"]),
-    ("head_tail_odd_local_length", "ValueError", ["model.layers.0.self_attn", "even local sequence length", "got 5"]),
+    ("head_tail_odd_local_length", "CPInputError", ["model.layers.0.self_attn", "even local sequence length", "got 5"]),
 ])
 def test_fail_fast_rule(name, error, words):
     assert_fails_with(name, outcome(name), error, words)

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
 from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
@@ -99,21 +100,21 @@ class GdnRegion:
         """Map any transformers 5.x call of the layer onto (hidden_states, attention_mask)."""
         for name in CACHE_KWARGS:
             if kwargs.get(name) is not None:
-                raise ValueError(f"{fqn}: called with {name}; GDN context parallelism does not support an "
+                raise CPInputError(f"{fqn}: called with {name}; GDN context parallelism does not support an "
                                  "inference cache or incremental decoding (use_cache=False)")
         for name in PACKED_KWARGS:
             if kwargs.get(name) is not None:
-                raise ValueError(f"{fqn}: called with {name}; packed / varlen inputs are not supported by GDN "
+                raise CPInputError(f"{fqn}: called with {name}; packed / varlen inputs are not supported by GDN "
                                  "context parallelism")
         if len(args) > 1 and args[1] is not None:  # (hidden_states, cache, attention_mask) in transformers 5.x
-            raise ValueError(f"{fqn}: called with a cache argument; GDN context parallelism does not support an "
+            raise CPInputError(f"{fqn}: called with a cache argument; GDN context parallelism does not support an "
                              "inference cache or incremental decoding (use_cache=False)")
         hidden = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(hidden, torch.Tensor):
-            raise ValueError(f"{fqn}: a GDN layer call needs hidden_states as a tensor, got {type(hidden).__name__}")
+            raise CPInputError(f"{fqn}: a GDN layer call needs hidden_states as a tensor, got {type(hidden).__name__}")
         mask = kwargs.get("attention_mask", args[2] if len(args) > 2 else None)
         if mask is not None and mask.dim() != 2:
-            raise ValueError(f"{fqn}: GDN layers take a 2-D padding mask, got shape {tuple(mask.shape)}")
+            raise CPInputError(f"{fqn}: GDN layers take a 2-D padding mask, got shape {tuple(mask.shape)}")
         return (hidden,), {"attention_mask": mask}
 
     def forward(self, layer: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
@@ -123,9 +124,9 @@ class GdnRegion:
 def _gdn_method(spec: MethodSpec, wrapper: str, backend: str, chunk_size: int) -> CPMethod:
     check_backend(backend)
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
+        raise CPInputError(f"chunk_size must be a positive integer, got {chunk_size!r}")
     if backend == "triton" and chunk_size != CHUNK_SIZE:
-        raise ValueError(f"the triton GDN backend supports chunk_size={CHUNK_SIZE} only, got {chunk_size}")
+        raise CPInputError(f"the triton GDN backend supports chunk_size={CHUNK_SIZE} only, got {chunk_size}")
     return spec.cp_method(wrapper, backend=backend, chunk_size=chunk_size, adapter=ADAPTER)
 
 
@@ -148,7 +149,7 @@ def qwen3_5_gdn_all_gather_cp_wrapper(backend: str = "eager", chunk_size: int = 
     """GDN State-AllGather (a comparison path): all-gather every rank's (M, S), compose the
     prefix in rank order. Eager backend only."""
     if backend != "eager":
-        raise ValueError(f"GDN State-AllGather supports backend='eager' only, got {backend!r}")
+        raise CPInputError(f"GDN State-AllGather supports backend='eager' only, got {backend!r}")
     return _gdn_method(all_gather.ALL_GATHER, "qwen3_5_gdn_all_gather_cp_wrapper", backend, chunk_size)
 
 

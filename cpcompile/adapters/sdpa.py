@@ -5,6 +5,7 @@ from typing import Any
 
 from torch import nn
 
+from ..errors import CPInputError
 from ..methods import AdapterSpec, register_adapter
 
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
@@ -14,7 +15,7 @@ class SdpaRegion:
     def prepare_call(self, fqn: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name in CACHE_KWARGS:
             if kwargs.get(name) is not None:
-                raise ValueError(
+                raise CPInputError(
                     f"{fqn}: called with {name}={type(kwargs[name]).__name__}; CP does not support an "
                     "inference cache or incremental decoding — call the model with use_cache=False "
                     "(cpcompile.shard_batch adds it)"

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Callable
 
+from ..errors import CPInputError
+
 _MARKER = "__cpcompile_inner_wrapper__"
 
 # short name -> dotted path of a marked wrapper (imported lazily, on first use)
@@ -33,7 +35,7 @@ def is_inner_wrapper(obj: object) -> bool:
 def register_inner_wrapper(name: str, dotted_path: str) -> None:
     """Make `name` usable as `inner_wrapper: <name>` in a plan."""
     if name in _REGISTERED and _REGISTERED[name] != dotted_path:
-        raise ValueError(f"inner wrapper name {name!r} is already registered to {_REGISTERED[name]}")
+        raise CPInputError(f"inner wrapper name {name!r} is already registered to {_REGISTERED[name]}")
     _REGISTERED[name] = dotted_path
 
 
@@ -50,16 +52,16 @@ def import_marked_target(dotted_path: str) -> Callable:
     """Import `pkg.mod.attr`; refuse anything that is not a marked inner wrapper."""
     module_path, _, attr = dotted_path.rpartition(".")
     if not module_path:
-        raise ValueError(f"{dotted_path!r} is not a dotted path of the form package.module.function")
+        raise CPInputError(f"{dotted_path!r} is not a dotted path of the form package.module.function")
     try:
         module = importlib.import_module(module_path)
     except ImportError as exc:
-        raise ValueError(f"cannot import module {module_path!r}: {exc}") from exc
+        raise CPInputError(f"cannot import module {module_path!r}: {exc}") from exc
     target = getattr(module, attr, None)
     if target is None:
-        raise ValueError(f"module {module_path!r} has no attribute {attr!r}")
+        raise CPInputError(f"module {module_path!r} has no attribute {attr!r}")
     if not is_inner_wrapper(target):
-        raise ValueError(
+        raise CPInputError(
             f"{dotted_path!r} is not marked with @cpcompile.inner_wrapper; "
             "plans may only call marked inner wrappers"
         )

@@ -22,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from ..errors import CPInputError, UnsupportedError
 from .method import CONTIGUOUS, CPMethod
 
 
@@ -88,7 +89,7 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     """Register `spec` once; returns it, so a pass file can keep it as a constant for its wrappers."""
     other = _METHODS.get(spec.key)
     if other is not None and other != spec:
-        raise ValueError(f"CP method {spec.label()} is already registered ({other.rewrite.__module__})")
+        raise CPInputError(f"CP method {spec.label()} is already registered ({other.rewrite.__module__})")
     _METHODS[spec.key] = spec
     return spec
 
@@ -96,7 +97,7 @@ def register_method(spec: MethodSpec) -> MethodSpec:
 def register_adapter(spec: AdapterSpec) -> AdapterSpec:
     other = _ADAPTERS.get(spec.name)
     if other is not None and other != spec:
-        raise ValueError(f"model adapter {spec.name!r} is already registered")
+        raise CPInputError(f"model adapter {spec.name!r} is already registered")
     _ADAPTERS[spec.name] = spec
     return spec
 
@@ -114,7 +115,7 @@ def method_spec(method: CPMethod) -> MethodSpec:
     spec = _METHODS.get((method.core, method.name, method.asynchronous))
     if spec is None:
         known = ", ".join(sorted(s.label() for s in _METHODS.values()))
-        raise NotImplementedError(f"no CP method is registered for {method.describe()}; registered: {known}")
+        raise UnsupportedError(f"no CP method is registered for {method.describe()}; registered: {known}")
     return spec
 
 
@@ -128,7 +129,7 @@ def region_for(method: CPMethod):
     name = method.params.get("adapter", method_spec(method).adapter)
     adapter = _ADAPTERS.get(name)
     if adapter is None:
-        raise NotImplementedError(f"no region adapter for {method.describe()}")
+        raise UnsupportedError(f"no region adapter for {method.describe()}")
     return adapter.region(method)
 
 

@@ -5,12 +5,13 @@ import torch.fx as fx
 
 from .. import collectives as C
 from ..context import PassContext
+from ..errors import CoverageError
 from ..methods import method_spec
 
 
 def find_cores_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not method_spec(ctx.method).find(gm):
-        raise ValueError(
+        raise CoverageError(
             f"{ctx.fqn}: the plan selects {ctx.method.describe()} but the traced module has no "
             f"{ctx.method.core} core (for SDPA: is the model using attn_implementation='sdpa'?)"
         )

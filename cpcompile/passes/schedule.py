@@ -39,6 +39,7 @@ import torch.fx as fx
 
 from .. import collectives as C
 from ..context import PassContext
+from ..errors import CPInputError
 from ..methods import method_spec
 from .graph_utils import ancestors, descendants
 
@@ -313,7 +314,7 @@ def check_overlap(gm: fx.GraphModule, collectives: list[Collective], cores: set[
             ctx.notes.append(f"async: {c.describe()} is computed from the attention output; "
                              "nothing independent is left to overlap, it stays synchronous")
         elif not any(is_compute(n) for n in nodes_between(order, nodes, c)):
-            raise ValueError(
+            raise CPInputError(
                 f"{ctx.fqn}: {method}, but collective {c.describe()} has no compute between its launch "
                 f"and its wait (a launch then a wait is not async); use the synchronous {sync_counterpart(ctx)}"
             )
@@ -321,7 +322,7 @@ def check_overlap(gm: fx.GraphModule, collectives: list[Collective], cores: set[
         feeding = [c for c in collectives if core in c.cores]
         hidden = {n for c in feeding for n in nodes_between(order, nodes, c) if is_model_compute(n)}
         if feeding and not hidden:
-            raise ValueError(
+            raise CPInputError(
                 f"{ctx.fqn}: {method}, but the attention {core.name} has no model compute to overlap with "
                 f"its collectives ({', '.join(c.describe() for c in feeding)}): everything the module "
                 "computes either feeds them or consumes them, so each would be a launch then a wait, "

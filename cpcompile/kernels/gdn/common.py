@@ -8,6 +8,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...errors import CPInputError
+
 BACKENDS = ("eager", "triton")  # `eager`: pure-PyTorch oracle; `triton`: cpcompile's Triton kernels
 CHUNK_SIZE = 64  # the Triton kernels' chunk length, and every backend's default
 L2NORM_EPS = 1e-6  # transformers' (and fla's) epsilon for the q/k L2 norm, inside the root
@@ -15,7 +17,7 @@ L2NORM_EPS = 1e-6  # transformers' (and fla's) epsilon for the q/k L2 norm, insi
 
 def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
-        raise ValueError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
+        raise CPInputError(f"unknown GDN backend {backend!r}; expected one of {BACKENDS}")
 
 
 def l2norm(x: Tensor, eps: float = L2NORM_EPS) -> Tensor:

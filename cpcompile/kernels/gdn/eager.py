@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ...errors import CPInputError
 from .common import CHUNK_SIZE, l2norm
 from .summary import apply_summary, reduce_summaries_over_chunks, summary_adjoint
 
@@ -87,20 +88,20 @@ def prepare_qk(
 def _check_inputs(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> None:
     """Fail fast, naming the offending tensor, before any shape error surfaces deep in a matmul."""
     if k.dim() != 4 or v.dim() != 4:
-        raise ValueError(f"k and v must be [B, T, H, D]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
+        raise CPInputError(f"k and v must be [B, T, H, D]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
     batch, seq_len, num_k_heads, k_dim = k.shape
     num_v_heads, v_dim = v.shape[2], v.shape[3]
     if q is not None and q.shape != k.shape:
-        raise ValueError(f"q must have k's shape {tuple(k.shape)}; got {tuple(q.shape)}")
+        raise CPInputError(f"q must have k's shape {tuple(k.shape)}; got {tuple(q.shape)}")
     if v.shape[:2] != (batch, seq_len):
-        raise ValueError(f"v must be [B={batch}, T={seq_len}, Hv, V]; got {tuple(v.shape)}")
+        raise CPInputError(f"v must be [B={batch}, T={seq_len}, Hv, V]; got {tuple(v.shape)}")
     if num_v_heads % num_k_heads != 0:
-        raise ValueError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
+        raise CPInputError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (batch, seq_len, num_v_heads):
-            raise ValueError(f"{name} must be [B, T, Hv] = {(batch, seq_len, num_v_heads)}; got {tuple(t.shape)}")
+            raise CPInputError(f"{name} must be [B, T, Hv] = {(batch, seq_len, num_v_heads)}; got {tuple(t.shape)}")
     if state is not None and tuple(state.shape) != (batch, num_v_heads, k_dim, v_dim):
-        raise ValueError(
+        raise CPInputError(
             f"initial_state must be [B, Hv, K, V] = {(batch, num_v_heads, k_dim, v_dim)}; got {tuple(state.shape)}"
         )
 
@@ -275,7 +276,7 @@ def _intra_chunk_scores(q: Tensor, k: Tensor, gamma: Tensor) -> Tensor:
 
 def _check_chunk_size(chunk_size: int) -> None:
     if not isinstance(chunk_size, int) or chunk_size <= 0:
-        raise ValueError(f"chunk_size must be a positive int; got {chunk_size!r}")
+        raise CPInputError(f"chunk_size must be a positive int; got {chunk_size!r}")
 
 
 def chunk_gated_delta_rule_eager(
@@ -363,7 +364,7 @@ def gdn_local_state_grad(
     and the chunk chain runs backwards: ``d_c = R_c^T dO_c + M_c^T d_{c+1}``.
     """
     if d_o.dim() != 4 or tuple(d_o.shape[:3]) != tuple(g.shape):
-        raise ValueError(f"d_o must be [B, T, Hv, V] matching g {tuple(g.shape)}; got {tuple(d_o.shape)}")
+        raise CPInputError(f"d_o must be [B, T, Hv, V] matching g {tuple(g.shape)}; got {tuple(d_o.shape)}")
     _check_inputs(q, k, d_o, g, beta, None)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(q, k, g, beta, d_o)

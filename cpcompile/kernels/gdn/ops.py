@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...errors import CPInputError
 from . import eager
 from .common import check_backend
 
@@ -65,7 +66,7 @@ def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tenso
 def _eager_summary_only(backend: str) -> None:
     check_backend(backend)
     if backend != "eager":
-        raise ValueError(f"cpcompile::gdn_summary runs the eager backend only, got {backend!r}; State-P2P "
+        raise CPInputError(f"cpcompile::gdn_summary runs the eager backend only, got {backend!r}; State-P2P "
                          "on the triton backend is cpcompile::gdn_p2p_chunk")
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
+from ...errors import CPInputError
 from ...kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
 from ...methods import MethodSpec
 from ..graph_utils import CoreMatch
@@ -60,11 +61,11 @@ def _conv_left_pad(gm: fx.GraphModule) -> tuple[fx.Node, int]:
         if n.op == "call_function" and n.target in PAD_OPS and any(u.target in CONV_OPS for u in n.users)
     ]
     if len(pads) != 1:
-        raise ValueError(f"expected one causal conv left-pad in a GDN layer, found {len(pads)}")
+        raise CPInputError(f"expected one causal conv left-pad in a GDN layer, found {len(pads)}")
     pad = pads[0]
     left, right = pad.args[1]
     if right != 0 or left < 1:
-        raise ValueError(f"GDN conv pad {pad.args[1]} is not a causal left pad")
+        raise CPInputError(f"GDN conv pad {pad.args[1]} is not a causal left pad")
     return pad, left
 
 
@@ -73,7 +74,7 @@ def find_gdn_cores(gm: fx.GraphModule) -> list[GdnMatch]:
     if not cores:
         return []
     if len(cores) > 1:
-        raise ValueError(f"expected one GDN core per region, found {len(cores)}")
+        raise CPInputError(f"expected one GDN core per region, found {len(cores)}")
     pad, halo = _conv_left_pad(gm)
     return [GdnMatch(cores[0], pad, halo)]
 

@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...errors import CPInputError
 from ...methods import method_spec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
@@ -39,7 +40,7 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> Non
     x = pad.args[0]
     length = val(x).shape[-1]
     if length < match.halo:
-        raise ValueError(
+        raise CPInputError(
             f"{ctx.fqn}: local sequence length {length} is shorter than the conv halo ({match.halo} tokens); "
             "use fewer CP ranks or a longer sequence"
         )

@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...errors import CPInputError
 from ...methods import register_method
 from ..graph_utils import Emitter, val
 from .fragments import PASS, heads_to_seq, seq_to_heads
@@ -16,7 +17,7 @@ def rewrite_ulysses(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> No
     q, k, v, g, beta = match.inputs
     key_heads, value_heads = val(k).shape[2], val(v).shape[2]
     if key_heads % ctx.cp_size or value_heads % ctx.cp_size:
-        raise ValueError(
+        raise CPInputError(
             f"{ctx.fqn}: GDN Ulysses needs key heads ({key_heads}) and value heads ({value_heads}) divisible "
             f"by cp_size={ctx.cp_size}; use the State-P2P wrapper, which has no head constraint"
         )

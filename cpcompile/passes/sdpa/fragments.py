@@ -6,6 +6,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...errors import CPInputError, UnsupportedMaskError
 from ..comm import all_gather_sequence
 from ..graph_utils import Emitter, evaluate_node, val
 from .masks import CAUSAL, classify_local_mask
@@ -20,7 +21,7 @@ def check_self_attention(match: SdpaMatch, ctx: PassContext) -> tuple[int, int]:
     q_len = val(match.query).shape[SEQ_DIM]
     kv_len = val(match.key).shape[SEQ_DIM]
     if q_len != kv_len:
-        raise ValueError(
+        raise CPInputError(
             f"{ctx.fqn}: SDPA has {q_len} queries but {kv_len} keys; CP needs self-attention over "
             "the local shard (no KV cache, no cross-attention)"
         )
@@ -64,7 +65,7 @@ def local_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx:
     if match.attn_mask is None:
         return match.is_causal, all_valid_keys(emit, query.shape[0], q_len, query.device)
     if match.is_causal:
-        raise ValueError(f"{ctx.fqn}: SDPA with both is_causal=True and a mask is not supported")
+        raise UnsupportedMaskError(f"{ctx.fqn}: SDPA with both is_causal=True and a mask is not supported")
     causal = classify_local_mask(evaluate_node(gm, match.attn_mask, ctx.example_inputs), ctx.fqn) == CAUSAL
     return causal, mask_row(emit, match.attn_mask, q_len - 1 if causal else 0)
 

@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...errors import CPInputError
 from ...methods import HEAD_TAIL, register_method
 from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, evaluate_node, val
@@ -63,7 +64,7 @@ def local_chunks(ctx: PassContext) -> tuple[int, int]:
 
 def chunk_length(ctx: PassContext, local_len: int) -> int:
     if local_len % 2:
-        raise ValueError(
+        raise CPInputError(
             f"{ctx.fqn}: Head-Tail load balance needs an even local sequence length (two chunks per rank), "
             f"got {local_len}; the global length must be a multiple of 2*cp_size={2 * ctx.cp_size} "
             "(cpcompile.shard_batch checks this, or pads with pad=True)"
@@ -103,12 +104,12 @@ def head_tail_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, 
     """
     if match.attn_mask is None:
         if not match.is_causal:
-            raise ValueError(f"{ctx.fqn}: Head-Tail load balance needs causal attention")
+            raise CPInputError(f"{ctx.fqn}: Head-Tail load balance needs causal attention")
         query = val(match.query)
         return True, all_valid_keys(emit, query.shape[0], query.shape[SEQ_DIM], query.device)
     local_mask = evaluate_node(gm, match.attn_mask, ctx.example_inputs)
     if not is_chunkwise_causal(local_mask, chunk) and classify_local_mask(local_mask, ctx.fqn) != CAUSAL:
-        raise ValueError(f"{ctx.fqn}: Head-Tail load balance needs causal attention; the mask is key-padding only")
+        raise CPInputError(f"{ctx.fqn}: Head-Tail load balance needs causal attention; the mask is key-padding only")
     head_row, tail_row = mask_row(emit, match.attn_mask, chunk - 1), mask_row(emit, match.attn_mask, 2 * chunk - 1)
     head_keys = emit(aten.slice.Tensor, head_row, 2, 0, chunk)
     tail_keys = emit(aten.slice.Tensor, tail_row, 2, chunk, 2 * chunk)

@@ -15,6 +15,7 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from ...context import PassContext
+from ...errors import CPConfigError
 from ...methods import register_method
 from ..comm import CommGroup, note_once
 from .match import SdpaMatch, sdpa_method
@@ -31,7 +32,7 @@ def rewrite_hybrid(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> No
 def hybrid_groups(ctx: PassContext, degree: int) -> tuple[CommGroup, CommGroup]:
     """This rank's (Ulysses, ring) sub-groups, described once per region in the dump notes."""
     if ctx.mesh is None:
-        raise ValueError(f"{ctx.fqn}: Hybrid CP needs the CPMesh in the pass context, for its sub-groups")
+        raise CPConfigError(f"{ctx.fqn}: Hybrid CP needs the CPMesh in the pass context, for its sub-groups")
     groups = ctx.mesh.cp_subgroups(degree)  # validates 1 < u < cp and cp % u; cached by build_subgroups
     ulysses = CommGroup(groups.ulysses.group_name, degree, "cp_ulysses")
     ring = CommGroup(groups.ring.group_name, ctx.cp_size // degree, "cp_ring")

@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import torch
 
+from ...errors import UnsupportedMaskError
+
 CAUSAL = "causal"
 FULL = "full"
-
-
-class UnsupportedMaskError(ValueError):
-    pass
 
 
 def classify_local_mask(mask: torch.Tensor, fqn: str) -> str:

@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...errors import CPInputError
 from ...methods import register_method
 from ..comm import CommGroup, all_gather_sequence, all_to_all, cp_group, note_once
 from ..graph_utils import Emitter, val
@@ -64,7 +65,7 @@ def kv_replicas(ctx: PassContext, label: str, degree: int, q_heads: int, kv_head
     one its query heads use (query heads % degree == 0 keeps a rank's queries in one group).
     """
     if q_heads % degree:
-        raise ValueError(
+        raise CPInputError(
             f"{ctx.fqn}: {label} splits attention heads over {degree} ranks, but the module has "
             f"{q_heads} query heads ({q_heads} % {degree} != 0); use the AllGather wrapper (sdpa_hf), "
             "which has no head constraint"
@@ -76,7 +77,7 @@ def kv_replicas(ctx: PassContext, label: str, degree: int, q_heads: int, kv_head
         note_once(ctx, f"{label}: {kv_heads} KV heads < {degree} ranks, each KV head replicated {replicas}x "
                        "before the all-to-all")
         return replicas
-    raise ValueError(
+    raise CPInputError(
         f"{ctx.fqn}: {label} splits attention heads over {degree} ranks, but the module has "
         f"{kv_heads} KV heads: neither divisible by {degree} nor a divisor of it, so they can't be "
         "split or replicated evenly; use the AllGather wrapper (sdpa_hf)"

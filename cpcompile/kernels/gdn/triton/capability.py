@@ -18,24 +18,13 @@ import os
 import torch
 from torch import Tensor
 
+from ....errors import GDNCapabilityError
 from ..common import CHUNK_SIZE
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MIN_CUDA_CC = (8, 0)
 MIN_TRITON_ASCEND = (3, 2, 1)
-
-
-class GDNCapabilityError(RuntimeError):
-    """The Triton GDN backend cannot run these inputs here. ``capability`` names what is missing."""
-
-    def __init__(self, capability: str, reason: str):
-        self.capability = capability
-        self.reason = reason
-        super().__init__(f"GDN triton backend: unsupported {capability}: {reason}")
-
-    def __reduce__(self):
-        return (type(self), (self.capability, self.reason))
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:

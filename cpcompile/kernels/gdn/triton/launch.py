@@ -14,6 +14,7 @@ import os
 import torch
 from torch import Tensor
 
+from ....errors import CPInputError
 from ..common import CHUNK_SIZE, L2NORM_EPS
 from . import kernels as _k
 
@@ -138,7 +139,7 @@ def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Ten
     Hv, V = u.shape[2], u.shape[3]
     NT, HS = triton_cdiv(T, CHUNK_SIZE), P2P_HSTRIDE
     if hbuf.shape[1] != triton_cdiv(NT, HS):
-        raise ValueError(f"GDN State-P2P: the summary stored {hbuf.shape[1]} states for {NT} chunks, but "
+        raise CPInputError(f"GDN State-P2P: the summary stored {hbuf.shape[1]} states for {NT} chunks, but "
                          f"P2P_HSTRIDE is {HS}: summary and output must run with the same setting")
     BV = _p2p_output_bv(V, q.dtype)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
