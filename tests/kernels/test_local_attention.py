@@ -1,7 +1,8 @@
-"""The SDPA CP local-attention ops against their float64 oracle (`kernels/attention/naive.py`).
+"""The SDPA CP local attention against its float64 oracle (`kernels/attention/naive.py`).
 
-On CPU the fused CPU kernel serves the blocks (float64 and fp32 here); the `gpu` set runs every
-CUDA kernel in bf16 and judges it against the error of one plain SDPA call on the same problem.
+On CPU the fused CPU kernel serves the blocks and the padded tiles (float64 and fp32 here), and
+FlexAttention's block mask is checked against `create_block_mask`; the `gpu` set runs every CUDA
+kernel and FlexAttention in bf16, judged against the error of one plain SDPA call.
 """
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from cpcompile.kernels.attention import chunk_attention, select_kernel
+from cpcompile.kernels.attention import local_attention, select_kernel
 from cpcompile.kernels.attention.naive import naive_attention
 
 HAS_CUDA = torch.cuda.is_available()
@@ -39,13 +40,12 @@ def _rel(a, b):
 
 
 def _attention(starts, key_valid=None, causal=True, scale=None, kernel=None, masked_kernel=None):
-    """chunk_attention as a function of (q, k, v); all keys valid unless `key_valid` is given."""
+    """local_attention as a function of (q, k, v); all keys valid unless `key_valid` is given."""
     def run(q, k, v):
-        valid = key_valid if key_valid is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool,
-                                                                    device=k.device)
-        return chunk_attention(q, k, v, valid, starts, causal, scale or q.shape[-1] ** -0.5,
+        valid = key_valid if key_valid is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
+        return local_attention(q, k, v, valid.to(q.device), starts, causal, scale or q.shape[-1] ** -0.5,
                                kernel or select_kernel(q.device, q.dtype),
-                               masked_kernel or select_kernel(q.device, q.dtype, masked=True))[0]
+                               masked_kernel or select_kernel(q.device, q.dtype, masked=True))
     return run
 
 
@@ -83,12 +83,46 @@ def test_padded_matches_oracle(layout, causal):
            q, k, v, 1e-12)
 
 
-@pytest.mark.parametrize("padded", [False, True])
-def test_op_passes_opcheck(padded):
+@pytest.mark.parametrize("causal", [True, False])
+def test_ops_pass_opcheck(causal):
     q, k, v = (x.detach().requires_grad_() for x in _inputs(1, 4, 2, 32, 64, 8, torch.float32))
-    key_valid = torch.rand(1, 64) > 0.2 if padded else torch.ones(1, 64, dtype=torch.bool)
-    torch.library.opcheck(torch.ops.cpcompile.chunk_attention.default,
-                          (q, k, v, key_valid, [16, 48], True, 0.3, "cpu_flash", "cpu_flash"))
+    key_valid = torch.rand(1, 64) > 0.2
+    torch.library.opcheck(torch.ops.cpcompile.chunk_attention.default, (q, k, v, [16, 48], causal, 0.3, "cpu_flash"))
+    torch.library.opcheck(torch.ops.cpcompile.tiled_attention.default,
+                          (q, k, v, key_valid, [16, 48], causal, 0.3, "cpu_flash"))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", [(1024, 128, [256, 640]), (1000, 500, [500]), (777, 100, [0, 400])])
+def test_flex_block_mask_matches_its_elements(layout, causal):
+    """The block table built from block statistics: every block holding a visible element is listed,
+    a block listed as full is fully visible, and the mask function is the oracle's visibility."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from cpcompile.kernels.attention.flex import block_mask, query_positions
+
+    s_kv, chunk, starts = layout
+    key_valid = torch.rand(2, s_kv) > 0.3
+    key_valid[:, 300:560] = True
+    key_valid[1] = False
+    key_valid[1, -3:] = True
+    q_len = chunk * len(starts)
+    mask = block_mask(key_valid, starts, q_len, causal)
+    positions = query_positions(starts, q_len, "cpu")
+    want = key_valid[:, None, None, :] & ((torch.arange(s_kv) <= positions[:, None]) if causal else True)
+    want = want.expand(2, 1, q_len, s_kv)
+    assert torch.equal(create_mask(mask.mask_mod, 2, 1, q_len, s_kv, device="cpu"), want)
+    def tiles(fill):  # [B, nq, 128, nk, 128]; rows and keys past the ends filled with `fill`
+        padded = torch.nn.functional.pad(want[:, 0], (0, -s_kv % 128, 0, -q_len % 128), value=fill)
+        return padded.unflatten(2, (-1, 128)).unflatten(1, (-1, 128))
+
+    listed = mask.to_dense()[:, 0].bool()
+    assert torch.equal(listed, tiles(False).any(4).any(2)), "a block with a visible element is not listed (or vice versa)"
+    full = torch.zeros_like(listed)
+    for b in range(2):
+        for i in range(listed.shape[1]):
+            full[b, i, mask.full_kv_indices[b, 0, i, :mask.full_kv_num_blocks[b, 0, i]].long()] = True
+    assert (tiles(True).all(4).all(2) | ~full).all(), "a block listed as full is not fully visible"
 
 
 def test_unequal_chunks_are_refused():
@@ -109,6 +143,8 @@ def test_kernel_choice_fails_fast():
         check_kernel("flash", torch.device("cuda"), torch.bfloat16, masked=True)
     with pytest.raises(CPConfigError, match="unknown attention kernel"):
         check_kernel("nope", torch.device("cpu"), torch.float32)
+    with pytest.raises(CPConfigError, match="'flex' runs on cuda"):
+        check_kernel("flex", torch.device("cpu"), torch.float32, masked=True)
 
 
 # --------------------------------------------------------------------------- GPU (bf16)
@@ -131,16 +167,21 @@ def _sdpa_bf16_error(q, k, v, s_kv, chunk, starts, grad_out):
 
 @gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
-@pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient"])
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "efficient", "flex"])
 @pytest.mark.parametrize("heads", [(16, 16), (16, 4)])
 def test_gpu_kernels_bf16(kernel, heads):
+    """Each CUDA kernel (flex: on keys with padding) against the oracle, as accurate as plain SDPA."""
     s_kv, chunk, starts = 8192, 2048, [2048, 6144]
     q, k, v = _inputs(1, *heads, chunk * len(starts), s_kv, 128, torch.bfloat16, device="cuda")
     grad_out = torch.randn(q.shape, dtype=q.dtype, device="cuda")
-    op = _attention(starts, kernel=kernel)
+    key_valid = torch.ones(1, s_kv, dtype=torch.bool, device="cuda")
+    if kernel == "flex":
+        key_valid[0, 1000:1100] = False  # padding inside a block and across blocks
+    op = _attention(starts, key_valid, kernel="flash", masked_kernel="flex") if kernel == "flex" else \
+        _attention(starts, kernel=kernel)
     out, grads = _grads(op, q, k, v, grad_out)
-    ref, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, starts), q.double(), k.double(), v.double(),
-                            grad_out.double())
+    ref, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, starts, key_valid=key_valid), q.double(),
+                            k.double(), v.double(), grad_out.double())
     bound = 1.5 * _sdpa_bf16_error(q, k, v, s_kv, chunk, starts, grad_out) + 1e-3
     errors = [_rel(out, ref)] + [_rel(g, r) for g, r in zip(grads, ref_grads)]
     print(f"{kernel} heads {heads}: out/dq/dk/dv errors {['%.1e' % e for e in errors]}, bound {bound:.1e}")

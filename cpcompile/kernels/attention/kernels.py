@@ -60,6 +60,8 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
 
 
 def _efficient_forward(q, k, v, causal, mask, scale):
+    # its backward reads the output with the query's layout: give both one layout
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, causal, scale=scale)
     return out, lse[..., : q.shape[2]]  # the kernel pads its statistics to a multiple of 32 rows
 
@@ -69,6 +71,7 @@ def _efficient_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
     rows = q.shape[2]
     padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the layout its forward returned
     padded[..., :rows] = lse
+    grad_out, q, k, v, out = (x.contiguous() for x in (grad_out, q, k, v, out))
     dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
         grad_out, q, k, v, mask, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
     return dq, dk, dv
@@ -90,29 +93,37 @@ KERNELS: dict[str, Kernel] = {
     "efficient": Kernel("cuda", HALF + (torch.float32,), False, _efficient_forward, _efficient_backward),
     "cpu_flash": Kernel("cpu", HALF + (torch.float32, torch.float64), True, _cpu_forward, _cpu_backward),
 }
-MASKED_KERNELS = ("efficient", "cpu_flash")  # take a tile mask (`padded_attention`)
+MASKED_KERNELS = ("flex", "efficient", "cpu_flash")  # flex, or kernels that take a tile mask (`tiled.py`)
+MASKED_DEVICES = {"flex": "cuda"}
 KERNEL_ENV = "CPCOMPILE_ATTENTION_KERNEL"
+MASKED_KERNEL_ENV = "CPCOMPILE_MASKED_ATTENTION_KERNEL"
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = False) -> str:
-    """The kernel for blocks on `device` in `dtype`: flash for bf16/fp16 on CUDA, the memory-
-    efficient kernel for fp32 on CUDA (and for masked tiles), the fused CPU kernel on CPU.
+    """The kernel for unmasked blocks (`masked=False`) or for padded keys (`masked=True`).
 
-    `CPCOMPILE_ATTENTION_KERNEL` names another kernel (for benchmarks); it must support the
-    device and dtype or the rewrite fails.
+    CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md), the memory-
+    efficient kernel for fp32; FlexAttention for padded keys. CPU: the fused CPU kernel for both.
+    `CPCOMPILE_ATTENTION_KERNEL` / `CPCOMPILE_MASKED_ATTENTION_KERNEL` name others (for
+    benchmarks); they must support the device and dtype or the rewrite fails.
     """
     if device.type == "cpu":
         default = "cpu_flash"
     elif device.type == "cuda":
-        default = "efficient" if masked or dtype not in HALF else "flash"
+        default = "flex" if masked else "cudnn" if dtype in HALF else "efficient"
     else:
         raise CPConfigError(f"no fused attention kernel for device type {device.type!r} (supported: cuda, cpu)")
-    name = os.environ.get(KERNEL_ENV) or default
+    name = os.environ.get(MASKED_KERNEL_ENV if masked else KERNEL_ENV) or default
     check_kernel(name, device, dtype, masked=masked)
     return name
 
 
 def check_kernel(name: str, device: torch.device, dtype: torch.dtype, *, masked: bool = False) -> None:
+    if masked and name in MASKED_DEVICES:
+        if MASKED_DEVICES[name] != device.type:
+            raise CPConfigError(f"attention kernel {name!r} runs on {MASKED_DEVICES[name]}, the tensors are on "
+                                f"{device.type}")
+        return
     kernel = KERNELS.get(name)
     if kernel is None:
         raise CPConfigError(f"unknown attention kernel {name!r}; one of {sorted(KERNELS)}")
