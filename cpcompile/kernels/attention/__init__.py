@@ -12,8 +12,7 @@ padding: `local_attention` (`local.py`), the one call the rewrites emit. It runs
   or `cpcompile::tiled_attention` (`tiled.py`): query tiles against their visible key prefix with a
   tile-sized mask (the CPU).
 
-`kernels.py` holds the per-block kernels (cuDNN, flash, memory-efficient on CUDA; the fused CPU
-kernel) and picks them per device and dtype; `naive.py` is the float64 oracle of the tests.
+`kernels.py` holds the per-block kernels (cuDNN and flash on CUDA; the fused CPU kernel) and picks them per device and dtype; `naive.py` is the float64 oracle of the tests.
 """
 from .kernels import KERNELS, select_kernel
 from .local import local_attention, local_attention_fake

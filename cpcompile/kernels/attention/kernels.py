@@ -59,24 +59,6 @@ def _cudnn_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
         scale=scale)
 
 
-def _efficient_forward(q, k, v, causal, mask, scale):
-    # its backward reads the output with the query's layout: give both one layout
-    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, lse, *_ = aten._scaled_dot_product_efficient_attention(q, k, v, mask, True, 0.0, causal, scale=scale)
-    return out, lse[..., : q.shape[2]]  # the kernel pads its statistics to a multiple of 32 rows
-
-
-def _efficient_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
-    seed, offset = _no_dropout_rng(q.device)
-    rows = q.shape[2]
-    padded = lse.new_zeros(*lse.shape[:2], -(-rows // 32) * 32)  # the layout its forward returned
-    padded[..., :rows] = lse
-    grad_out, q, k, v, out = (x.contiguous() for x in (grad_out, q, k, v, out))
-    dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-        grad_out, q, k, v, mask, out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
-    return dq, dk, dv
-
-
 def _cpu_forward(q, k, v, causal, mask, scale):
     return aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=mask, scale=scale)
 
@@ -90,11 +72,10 @@ HALF = (torch.bfloat16, torch.float16)
 KERNELS: dict[str, Kernel] = {
     "flash": Kernel("cuda", HALF, True, _flash_forward, _flash_backward),
     "cudnn": Kernel("cuda", HALF, False, _cudnn_forward, _cudnn_backward),
-    "efficient": Kernel("cuda", HALF + (torch.float32,), False, _efficient_forward, _efficient_backward),
     "cpu_flash": Kernel("cpu", HALF + (torch.float32, torch.float64), True, _cpu_forward, _cpu_backward),
 }
-MASKED_KERNELS = ("flex", "efficient", "cpu_flash")  # flex, or kernels that take a tile mask (`tiled.py`)
-MASKED_DEVICES = {"flex": "cuda"}
+MASKED_KERNELS = ("flex", "cpu_flash")  # flex, or kernels that take a tile mask (`tiled.py`)
+FLEX_DTYPES = HALF + (torch.float32,)
 KERNEL_ENV = "CPCOMPILE_ATTENTION_KERNEL"
 MASKED_KERNEL_ENV = "CPCOMPILE_MASKED_ATTENTION_KERNEL"
 
@@ -102,15 +83,16 @@ MASKED_KERNEL_ENV = "CPCOMPILE_MASKED_ATTENTION_KERNEL"
 def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = False) -> str:
     """The kernel for unmasked blocks (`masked=False`) or for padded keys (`masked=True`).
 
-    CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md), the memory-
-    efficient kernel for fp32; FlexAttention for padded keys. CPU: the fused CPU kernel for both.
+    CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md); FlexAttention for
+    padded keys, and for everything in fp32 (the fused CUDA kernels with a log-sum-exp output take
+    half precision only). CPU: the fused CPU kernel for both.
     `CPCOMPILE_ATTENTION_KERNEL` / `CPCOMPILE_MASKED_ATTENTION_KERNEL` name others (for
     benchmarks); they must support the device and dtype or the rewrite fails.
     """
     if device.type == "cpu":
         default = "cpu_flash"
     elif device.type == "cuda":
-        default = "flex" if masked else "cudnn" if dtype in HALF else "efficient"
+        default = "cudnn" if dtype in HALF and not masked else "flex"
     else:
         raise CPConfigError(f"no fused attention kernel for device type {device.type!r} (supported: cuda, cpu)")
     name = os.environ.get(MASKED_KERNEL_ENV if masked else KERNEL_ENV) or default
@@ -119,10 +101,9 @@ def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = Fa
 
 
 def check_kernel(name: str, device: torch.device, dtype: torch.dtype, *, masked: bool = False) -> None:
-    if masked and name in MASKED_DEVICES:
-        if MASKED_DEVICES[name] != device.type:
-            raise CPConfigError(f"attention kernel {name!r} runs on {MASKED_DEVICES[name]}, the tensors are on "
-                                f"{device.type}")
+    if name == "flex":  # FlexAttention serves any mask, so it may stand in for the unmasked blocks too
+        if device.type != "cuda" or dtype not in FLEX_DTYPES:
+            raise CPConfigError(f"attention kernel 'flex' runs on cuda in {FLEX_DTYPES}, got {device.type} {dtype}")
         return
     kernel = KERNELS.get(name)
     if kernel is None:

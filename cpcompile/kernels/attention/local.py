@@ -12,7 +12,8 @@ Every rank has the key validity of every rank (a rank without padding of its own
 to other ranks' padding), so whether a step has padded keys is read here, once per call (one
 flag read back from the device): without, `chunk_attention` runs the unmasked blocks on
 `kernel`; with, `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the tiles of
-`tiled_attention` on a kernel that takes a mask (the CPU's).
+`tiled_attention` on a kernel that takes a mask (the CPU's). `kernel="flex"` (CUDA fp32, which
+the fused kernels with a log-sum-exp output do not take) runs FlexAttention always, reading no flag.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def has_padding(key_valid: Tensor) -> bool:
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, chunk_starts: list[int], causal: bool,
                     scale: float, kernel: str, masked_kernel: str) -> Tensor:
-    if not has_padding(key_valid):
+    if kernel != "flex" and not has_padding(key_valid):
         return chunk_attention(q, k, v, chunk_starts, causal, scale, kernel)[0]
     if masked_kernel == "flex":
         return flex_chunk_attention(q, k, v, key_valid, chunk_starts, causal, scale)

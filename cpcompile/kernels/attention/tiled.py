@@ -12,7 +12,7 @@ from .kernels import accumulate_dtype, block_backward, block_forward, lse_dtype
 from .layout import chunk_length, visible_keys
 
 TILE = 512  # queries per tile
-ALIGN = 16  # the memory-efficient kernel wants mask rows aligned to 16 elements
+ALIGN = 16  # mask rows start on 16-element boundaries, as SDPA pads its own masks
 
 
 def tiles(chunk_starts: list[int], chunk: int, kv_len: int, causal: bool):
@@ -26,7 +26,7 @@ def tiles(chunk_starts: list[int], chunk: int, kv_len: int, causal: bool):
 
 def tile_mask(key_valid: Tensor, first: int, rows: int, keys: int, causal: bool, q: Tensor) -> Tensor:
     """Additive `[B, H, rows, keys]` mask (0 visible, −inf hidden; expanded over heads), its rows
-    padded to ALIGN in memory."""
+    padded to ALIGN in memory (aligned rows keep fused kernels on their fast path)."""
     visible = key_valid[:, None, None, :keys]
     if causal:
         positions = torch.arange(first, first + rows, device=key_valid.device)
