@@ -52,19 +52,31 @@ def forward(q, k, v, chunk_starts, causal, scale, kernel) -> tuple[Tensor, Tenso
     return out, lse
 
 
+def overlapping(blocks: list[Block]) -> bool:
+    """Whether any key is attended by two blocks (its gradient then sums two contributions)."""
+    spans = sorted((b.start, b.end) for b in blocks)
+    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
+
+
 def backward(grad_out, q, k, v, out, lse, chunk_starts, causal, scale, kernel) -> tuple[Tensor, Tensor, Tensor]:
+    """Each block's fused backward against the merged output and log-sum-exp. A query row sums its
+    blocks' dq in fp32; keys shared by two chunks' blocks (Head-Tail's prefixes) sum in fp32 too,
+    otherwise each key's gradient is written once, in the input dtype."""
     c = chunk_length(q, chunk_starts)
-    dq = torch.zeros(q.shape, dtype=accumulate_dtype(q), device=q.device)
-    dk = torch.zeros(k.shape, dtype=accumulate_dtype(k), device=k.device)  # chunks share their key prefix
-    dv = torch.zeros(v.shape, dtype=accumulate_dtype(v), device=v.device)
-    for i, start in enumerate(chunk_starts):
-        rows = chunk_rows(i, c)
+    plan = [(chunk_rows(i, c), chunk_blocks(start, c, k.shape[2], causal)) for i, start in enumerate(chunk_starts)]
+    shared = overlapping([b for _, blocks in plan for b in blocks])
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=accumulate_dtype(k) if shared else k.dtype, device=k.device)
+    dv = torch.zeros(v.shape, dtype=accumulate_dtype(v) if shared else v.dtype, device=v.device)
+    for rows, blocks in plan:
         row_lse = lse[:, :, rows].contiguous()
-        for b in chunk_blocks(start, c, k.shape[2], causal):
+        dq_rows = None
+        for b in blocks:
             keys = slice(b.start, b.end)
             dq_b, dk_b, dv_b = block_backward(kernel, grad_out[:, :, rows], q[:, :, rows], k[:, :, keys],
                                               v[:, :, keys], out[:, :, rows], row_lse, b.causal, scale)
-            dq[:, :, rows] += dq_b
+            dq_rows = dq_b.to(accumulate_dtype(q)) if dq_rows is None else dq_rows + dq_b
             dk[:, :, keys] += dk_b
             dv[:, :, keys] += dv_b
+        dq[:, :, rows] = dq_rows
     return dq, dk, dv
