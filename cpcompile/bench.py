@@ -10,8 +10,9 @@ device). Forward (to the loss) and backward are timed separately, median of `rep
 """
 from __future__ import annotations
 
+import contextlib
 import time
-from typing import Callable
+from typing import Callable, ContextManager
 
 import torch
 import torch.distributed as dist
@@ -23,9 +24,11 @@ from .train import TrainConfig, build_model, synthetic_batch
 
 
 def time_steps(step: Callable[[], torch.Tensor], warmup: int, repeat: int, device: str,
-               group: dist.ProcessGroup | None = None) -> dict:
+               group: dist.ProcessGroup | None = None,
+               context: Callable[[], ContextManager] = contextlib.nullcontext) -> dict:
     """Median forward and backward ms of `step` (returns a loss), and peak GiB on CUDA; each the max
-    over the ranks of `group` (the default group when None; no reduction without a process group)."""
+    over the ranks of `group` (the default group when None; no reduction without a process group).
+    Each step's forward and backward run inside one `context()` (e.g. PyTorch's `context_parallel`)."""
     cuda = device == "cuda"
 
     def now() -> float:
@@ -37,11 +40,12 @@ def time_steps(step: Callable[[], torch.Tensor], warmup: int, repeat: int, devic
     for i in range(warmup + repeat):
         if i == warmup and cuda:
             torch.cuda.reset_peak_memory_stats()
-        t0 = now()
-        loss = step()
-        t1 = now()
-        loss.backward()
-        t2 = now()
+        with context():
+            t0 = now()
+            loss = step()
+            t1 = now()
+            loss.backward()
+            t2 = now()
         if i >= warmup:
             forward.append((t1 - t0) * 1e3)
             backward.append((t2 - t1) * 1e3)

@@ -9,6 +9,8 @@ names exist in every release we support (torch>=2.11), so only this module names
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 _funcol_autograd = torch.ops._c10d_functional_autograd
@@ -50,3 +52,60 @@ def collective_kind(target: object) -> str:
     """Short name of a launch op: 'all_gather_into_tensor', 'all_to_all_single', …"""
     name = getattr(target, "__name__", "")
     return name.split(".")[0]
+
+
+# --- the layout a collective's backward receives ----------------------------------------------
+#
+# A launch's autograd backward (reduce-scatter for an all-gather, the inverse all-to-all) runs on
+# the gradient of its wait's output, whatever layout the consumers produced: a permuted view
+# after the re-layout that follows every collective here, or a transposed gradient from a CUDA
+# attention kernel. gloo copies such a tensor silently; NCCL refuses it ("Expected
+# input.is_contiguous()"), and torch releases before 2.13 do not copy it first. So every waited
+# collective passes through `contiguous_gradient` before anything consumes it.
+
+
+class _ContiguousGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def contiguous_gradient(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; backward hands a contiguous gradient to the collective before it."""
+    return _ContiguousGradient.apply(x)
+
+
+class NonContiguousCollectiveGradient(RuntimeError):
+    """`CPCOMPILE_STRICT_COLLECTIVES=1`: a collective's backward would get a non-contiguous tensor."""
+
+
+class _CheckGradientLayout(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, what):
+        ctx.what = what
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not grad.is_contiguous():
+            raise NonContiguousCollectiveGradient(
+                f"the backward of {ctx.what} would receive a non-contiguous gradient (shape {tuple(grad.shape)}, "
+                f"strides {grad.stride()}); NCCL refuses that (Expected input.is_contiguous())")
+        return grad, None
+
+
+def check_gradient_layout(x: torch.Tensor, what: str) -> torch.Tensor:
+    """Identity forward; backward raises if the gradient reaching a collective is not contiguous.
+
+    Emitted only under `CPCOMPILE_STRICT_COLLECTIVES=1` (the test suite sets it), between a wait
+    and its `contiguous_gradient`: it makes gloo as strict as NCCL about the collective's backward.
+    """
+    return _CheckGradientLayout.apply(x, what)
+
+
+def strict_collectives() -> bool:
+    return os.environ.get("CPCOMPILE_STRICT_COLLECTIVES", "") == "1"

@@ -1,0 +1,110 @@
+"""The local attention a CP rank runs after its collectives, against one fused call on the same work.
+
+    python benchmarks/local_attention.py [--seq 32768 131072] [--cp 2] [--out FILE]     (CUDA, bf16)
+
+For each global length S, head layout (MHA 16x64, GQA 16/4x128) and rank layout at CP=P:
+- AllGather, last rank: S/P queries at (P-1)·S/P against the S keys before and with them;
+- Head-Tail, rank 0: chunks 0 and 2P-1 of S/(2P) queries against their key prefixes;
+rows: `local_attention` with each CUDA kernel (unmasked prefix block + is_causal diagonal block per
+chunk, merged by log-sum-exp), the same with one padded key (FlexAttention with its block mask), and the
+reference: one flash call per chunk with `is_causal` against its key prefix, which FlashAttention-2
+aligns to the bottom right (what no SDPA API spells for a rank). Forward and forward+backward:
+median ms (triton.testing.do_bench); peak memory of one forward+backward above the inputs.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cpcompile.kernels.attention import local_attention  # noqa: E402
+
+aten = torch.ops.aten
+HEADS = {"mha": (16, 16, 64), "gqa": (16, 4, 128)}
+
+
+def layouts(seq: int, cp: int) -> dict[str, list[int]]:
+    local, chunk = seq // cp, seq // (2 * cp)
+    return {"all_gather (last rank)": [(cp - 1) * local], "head_tail (rank 0)": [0, (2 * cp - 1) * chunk]}
+
+
+def inputs(heads: str, rows: int, keys: int):
+    hq, hkv, d = HEADS[heads]
+    make = lambda h, s: torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2).requires_grad_()
+    return make(hq, rows), make(hkv, keys), make(hkv, keys)
+
+
+def ours(kernel: str, starts: list[int], padded: bool):
+    def run(q, k, v):
+        valid = torch.ones(1, k.shape[2], dtype=torch.bool, device="cuda")
+        if padded:
+            valid[0, 0] = False
+        return local_attention(q, k, v, valid, starts, True, q.shape[-1] ** -0.5, kernel, "flex")
+    return run
+
+
+def flash_per_chunk(starts: list[int]):
+    def run(q, k, v):
+        c = q.shape[2] // len(starts)
+        outs = [aten._scaled_dot_product_flash_attention(q[:, :, i * c:(i + 1) * c], k[:, :, :s + c], v[:, :, :s + c],
+                                                         0.0, True, False)[0] for i, s in enumerate(starts)]
+        return torch.cat(outs, dim=2)
+    return run
+
+
+def measure(fn, q, k, v) -> tuple[float, float, float]:
+    from triton.testing import do_bench
+
+    grad = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    fwd = do_bench(lambda: fn(q, k, v), warmup=25, rep=100, return_mode="median")
+    both = do_bench(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), grad), warmup=25, rep=100,
+                    return_mode="median")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(fn(q, k, v), (q, k, v), grad)
+    torch.cuda.synchronize()
+    return fwd, both, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--cp", type=int, default=2)
+    parser.add_argument("--kernels", nargs="+", default=["flash", "cudnn"])
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    lines = [f"# Local attention per rank — {_dt.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
+             f"torch {torch.__version__}, bf16, CP={args.cp}", "",
+             "| rank layout | heads | S | variant | fwd ms | fwd+bwd ms | peak GiB above inputs |", "|---|---|---|---|---|---|---|"]
+    for seq in args.seq:
+        for heads in HEADS:
+            for name, starts in layouts(seq, args.cp).items():
+                q, k, v = inputs(heads, (seq // args.cp), seq)
+                variants = {f"local_attention, {kern}": ours(kern, starts, False) for kern in args.kernels}
+                variants["local_attention, one padded key (flex)"] = ours("flash", starts, True)
+                variants["flash, is_causal per chunk (bottom-right)"] = flash_per_chunk(starts)
+                for label, fn in variants.items():
+                    try:
+                        fwd, both, peak = measure(fn, q, k, v)
+                        lines.append(f"| {name} | {heads} | {seq} | {label} | {fwd:.2f} | {both:.2f} | {peak:.2f} |")
+                    except Exception as exc:  # noqa: BLE001 - a kernel that refuses is a row
+                        lines.append(f"| {name} | {heads} | {seq} | {label} | {type(exc).__name__}: "
+                                     f"{str(exc).splitlines()[0][:100]} | | |")
+                    print(lines[-1], flush=True)
+                del q, k, v
+                torch.cuda.empty_cache()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""The SDPA CP local attention against its float64 oracle (`kernels/attention/naive.py`).
+
+On CPU the fused CPU kernel serves the blocks and the padded tiles (float64 and fp32 here), and
+FlexAttention's block mask is checked against `create_block_mask`; the `gpu` set runs every CUDA
+kernel and FlexAttention in bf16, judged against the error of one plain SDPA call.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from cpcompile.kernels.attention import local_attention, select_kernel
+from cpcompile.kernels.attention.naive import naive_attention
+
+HAS_CUDA = torch.cuda.is_available()
+# (total keys, chunk length, chunk starts): AllGather ranks 0 and 2 of 4, Head-Tail rank 1 of 2,
+# Hybrid's two-block span, and a chunk longer than one padded-attention tile
+LAYOUTS = [(64, 16, [0]), (64, 16, [32]), (64, 16, [16, 32]), (96, 32, [64]), (1280, 640, [640])]
+
+
+def _inputs(b, hq, hkv, s_q, s_kv, d, dtype, device="cpu", seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    # HF hands attention [B, S, H, D] storage viewed as [B, H, S, D]: test that layout
+    make = lambda h, s: torch.randn(b, s, h, d, generator=gen).to(device=device, dtype=dtype).transpose(1, 2)
+    return make(hq, s_q), make(hkv, s_kv), make(hkv, s_kv)
+
+
+def _grads(fn, q, k, v, grad_out):
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    # autograd.grad, not .backward(): AccumulateGrad would restride .grad like the leaf
+    return out.detach(), list(torch.autograd.grad(out, leaves, grad_out))
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def _attention(starts, key_valid=None, causal=True, scale=None, kernel=None, masked_kernel=None):
+    """local_attention as a function of (q, k, v); all keys valid unless `key_valid` is given."""
+    def run(q, k, v):
+        valid = key_valid if key_valid is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
+        return local_attention(q, k, v, valid.to(q.device), starts, causal, scale or q.shape[-1] ** -0.5,
+                               kernel or select_kernel(q.device, q.dtype),
+                               masked_kernel or select_kernel(q.device, q.dtype, masked=True))
+    return run
+
+
+def _check(op, oracle, q, k, v, tol):
+    grad_out = torch.randn(q.shape, dtype=q.dtype, device=q.device)
+    out, grads = _grads(op, q, k, v, grad_out)
+    ref, ref_grads = _grads(oracle, q.double(), k.double(), v.double(), grad_out.double())
+    errors = [_rel(out, ref)] + [_rel(g, r) for g, r in zip(grads, ref_grads)]
+    assert max(errors) < tol, errors
+    assert all(g.is_contiguous() for g in grads), "gradients must be contiguous (they may reach a collective)"
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 1e-5)])
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2)])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_unpadded_chunks_match_oracle(layout, heads, dtype, tol, causal):
+    s_kv, chunk, starts = layout
+    q, k, v = _inputs(2, *heads, chunk * len(starts), s_kv, 8, dtype)
+    _check(_attention(starts, causal=causal), lambda q, k, v: naive_attention(q, k, v, starts, causal=causal),
+           q, k, v, tol)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_padded_matches_oracle(layout, causal):
+    s_kv, chunk, starts = layout
+    q, k, v = _inputs(2, 4, 2, chunk * len(starts), s_kv, 8, torch.float64)
+    gen = torch.Generator().manual_seed(1)
+    key_valid = torch.rand(2, s_kv, generator=gen) > 0.3
+    key_valid[1, :] = False  # a row whose queries see no key at all: zero output, finite gradients
+    key_valid[1, -5:] = True
+    _check(_attention(starts, key_valid, causal, scale=0.3),
+           lambda q, k, v: naive_attention(q, k, v, starts, causal=causal, key_valid=key_valid, scale=0.3),
+           q, k, v, 1e-12)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_ops_pass_opcheck(causal):
+    q, k, v = (x.detach().requires_grad_() for x in _inputs(1, 4, 2, 32, 64, 8, torch.float32))
+    key_valid = torch.rand(1, 64) > 0.2
+    torch.library.opcheck(torch.ops.cpcompile.chunk_attention.default, (q, k, v, [16, 48], causal, 0.3, "cpu_flash"))
+    torch.library.opcheck(torch.ops.cpcompile.tiled_attention.default,
+                          (q, k, v, key_valid, [16, 48], causal, 0.3, "cpu_flash"))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", [(1024, 128, [256, 640]), (1000, 500, [500]), (777, 100, [0, 400])])
+def test_flex_block_mask_matches_its_elements(layout, causal):
+    """The block table built from block statistics: every block holding a visible element is listed,
+    a block listed as full is fully visible, and the mask function is the oracle's visibility."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from cpcompile.kernels.attention.flex import block_mask, query_positions
+
+    s_kv, chunk, starts = layout
+    key_valid = torch.rand(2, s_kv) > 0.3
+    key_valid[:, 300:560] = True
+    key_valid[1] = False
+    key_valid[1, -3:] = True
+    q_len = chunk * len(starts)
+    mask = block_mask(key_valid, starts, q_len, causal)
+    positions = query_positions(starts, q_len, "cpu")
+    want = key_valid[:, None, None, :] & ((torch.arange(s_kv) <= positions[:, None]) if causal else True)
+    want = want.expand(2, 1, q_len, s_kv)
+    assert torch.equal(create_mask(mask.mask_mod, 2, 1, q_len, s_kv, device="cpu"), want)
+    def tiles(fill):  # [B, nq, 128, nk, 128]; rows and keys past the ends filled with `fill`
+        padded = torch.nn.functional.pad(want[:, 0], (0, -s_kv % 128, 0, -q_len % 128), value=fill)
+        return padded.unflatten(2, (-1, 128)).unflatten(1, (-1, 128))
+
+    listed = mask.to_dense()[:, 0].bool()
+    assert torch.equal(listed, tiles(False).any(4).any(2)), "a block with a visible element is not listed (or vice versa)"
+    full = torch.zeros_like(listed)
+    for b in range(2):
+        for i in range(listed.shape[1]):
+            full[b, i, mask.full_kv_indices[b, 0, i, :mask.full_kv_num_blocks[b, 0, i]].long()] = True
+    assert (tiles(True).all(4).all(2) | ~full).all(), "a block listed as full is not fully visible"
+
+
+def test_unequal_chunks_are_refused():
+    q, k, v = _inputs(1, 2, 2, 15, 30, 8, torch.float32)
+    with pytest.raises(ValueError, match="equal chunks"):
+        _attention([0, 15])(q, k, v)
+
+
+def test_kernel_choice_fails_fast():
+    from cpcompile.errors import CPConfigError
+    from cpcompile.kernels.attention.kernels import check_kernel
+
+    with pytest.raises(CPConfigError, match="runs on cuda"):
+        check_kernel("flash", torch.device("cpu"), torch.bfloat16)
+    with pytest.raises(CPConfigError, match="does not support torch.float32"):
+        check_kernel("flash", torch.device("cuda"), torch.float32)
+    with pytest.raises(CPConfigError, match="takes no mask"):
+        check_kernel("flash", torch.device("cuda"), torch.bfloat16, masked=True)
+    with pytest.raises(CPConfigError, match="unknown attention kernel"):
+        check_kernel("nope", torch.device("cpu"), torch.float32)
+    with pytest.raises(CPConfigError, match="'flex' runs on cuda"):
+        check_kernel("flex", torch.device("cpu"), torch.float32, masked=True)
+
+
+# --------------------------------------------------------------------------- GPU (bf16)
+
+gpu = pytest.mark.gpu
+
+
+def _sdpa_bf16_error(q, k, v, s_kv, chunk, starts, grad_out):
+    """Error of one plain SDPA call (the single-device path) on the whole causal problem, sliced
+    to the same rows: the yardstick for a bf16 kernel."""
+    full_q = torch.randn(q.shape[0], q.shape[1], s_kv, q.shape[3], device=q.device, dtype=q.dtype)
+    for i, s in enumerate(starts):
+        full_q[:, :, s:s + chunk] = q[:, :, i * chunk:(i + 1) * chunk]
+    sdpa = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    out = sdpa(full_q, k, v)
+    ref = sdpa(full_q.double(), k.double(), v.double())
+    rows = torch.cat([torch.arange(s, s + chunk) for s in starts]).to(q.device)
+    return _rel(out[:, :, rows], ref[:, :, rows])
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("kernel", ["flash", "cudnn", "flex"])
+@pytest.mark.parametrize("heads", [(16, 16), (16, 4)])
+def test_gpu_kernels_bf16(kernel, heads):
+    """Each CUDA kernel (flex: on keys with padding) against the oracle, as accurate as plain SDPA."""
+    s_kv, chunk, starts = 8192, 2048, [2048, 6144]
+    q, k, v = _inputs(1, *heads, chunk * len(starts), s_kv, 128, torch.bfloat16, device="cuda")
+    grad_out = torch.randn(q.shape, dtype=q.dtype, device="cuda")
+    key_valid = torch.ones(1, s_kv, dtype=torch.bool, device="cuda")
+    if kernel == "flex":
+        key_valid[0, 1000:1100] = False  # padding inside a block and across blocks
+    op = _attention(starts, key_valid, kernel="flash", masked_kernel="flex") if kernel == "flex" else \
+        _attention(starts, kernel=kernel)
+    out, grads = _grads(op, q, k, v, grad_out)
+    ref, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, starts, key_valid=key_valid), q.double(),
+                            k.double(), v.double(), grad_out.double())
+    bound = 1.5 * _sdpa_bf16_error(q, k, v, s_kv, chunk, starts, grad_out) + 1e-3
+    errors = [_rel(out, ref)] + [_rel(g, r) for g, r in zip(grads, ref_grads)]
+    print(f"{kernel} heads {heads}: out/dq/dk/dv errors {['%.1e' % e for e in errors]}, bound {bound:.1e}")
+    assert _rel(out, ref) < bound and max(errors) < 3e-2, errors
+
+
+@gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+@pytest.mark.parametrize("padded", [False, True])
+def test_gpu_fp32_runs_flex(padded):
+    """fp32 on CUDA: FlexAttention serves unmasked and padded keys alike."""
+    s_kv, chunk, starts = 2048, 512, [512, 1536]
+    q, k, v = _inputs(1, 16, 4, chunk * len(starts), s_kv, 64, torch.float32, device="cuda")
+    key_valid = torch.ones(1, s_kv, dtype=torch.bool, device="cuda")
+    if padded:
+        key_valid[0, 100:300] = False
+    assert select_kernel(q.device, q.dtype) == "flex"
+    _check(_attention(starts, key_valid), lambda q, k, v: naive_attention(q, k, v, starts, key_valid=key_valid),
+           q, k, v, 1e-3)
+
+
+class _LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any aten op produces."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for x in tree_leaves(out):
+            if isinstance(x, torch.Tensor):
+                self.numel = max(self.numel, x.numel())
+        return out
+
+
+def _largest_tensor(s_kv: int, padded: bool) -> int:
+    """Largest tensor of one forward + backward of the op's implementation (its own aten calls) for
+    a Head-Tail-like rank: two chunks of S/4 queries against S keys, one head of width 4."""
+    from cpcompile.kernels.attention import tiled, unmasked
+
+    starts = [s_kv // 4, s_kv // 2]
+    q, k, v = _inputs(1, 1, 1, s_kv // 2, s_kv, 4, torch.float32)
+    key_valid = torch.rand(1, s_kv) > 0.1
+    with _LargestTensor() as mode:
+        if padded:
+            out, lse = tiled.forward(q, k, v, key_valid, starts, True, 0.5, "cpu_flash")
+            tiled.backward(out, q, k, v, out, lse, key_valid, starts, True, 0.5, "cpu_flash")
+        else:
+            out, lse = unmasked.forward(q, k, v, starts, True, 0.5, "cpu_flash")
+            unmasked.backward(out, q, k, v, out, lse, starts, True, 0.5, "cpu_flash")
+    return mode.numel
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_memory_is_linear_in_sequence(padded):
+    """Doubling the sequence at most doubles the largest tensor (a score or mask matrix would
+    quadruple it), and nothing reaches S_q × S_kv."""
+    small, large = _largest_tensor(4096, padded), _largest_tensor(8192, padded)
+    assert large <= 2 * small, (small, large)
+    assert large < (8192 // 2) * 8192 // 4, large
