@@ -7,3 +7,7 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Every rewritten collective checks, in backward, that what reaches it is contiguous: gloo would
+# accept anything, NCCL does not (cpcompile.collectives.check_gradient_layout). Ranks inherit it.
+os.environ.setdefault("CPCOMPILE_STRICT_COLLECTIVES", "1")

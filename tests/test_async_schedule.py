@@ -27,7 +27,7 @@ def _region_schedule(gm, roles: dict) -> list[dict]:
     """Per launch of a region graph: its signature and where it sits relative to its neighbours."""
     from cpcompile import collectives as C
     from cpcompile.dump import collective_report
-    from cpcompile.passes.sdpa.match import SDPA
+    from cpcompile.passes.graph_utils import is_core
     from cpcompile.passes.schedule import group_of
 
     nodes = list(gm.graph.nodes)
@@ -45,7 +45,7 @@ def _region_schedule(gm, roles: dict) -> list[dict]:
             "before_consumer": all(C.is_wait(n.target) for n in nodes[order[wait] + 1: order[first_consumer]]),
             "compute_between": len(report["compute_between"]),
             "model_compute_between": len(report["model_compute_between"]),
-            "feeds_attention": not any(n.target is SDPA for n in nodes[: order[launch]]),
+            "feeds_attention": not any(is_core(n) for n in nodes[: order[launch]]),
         })
     return rows
 

@@ -38,6 +38,21 @@ def record_collective(ctx: PassContext, op, purpose: str, launch: fx.Node, done:
     ctx.record(C.collective_kind(op), label, launch, done, group_name=group.name, group_size=group.size)
 
 
+def collective(emit: Emitter, ctx: PassContext, op, payload: fx.Node, *args, purpose: str,
+               group: CommGroup) -> fx.Node:
+    """Launch `op` on `payload` (contiguous), wait, record it; the result hands its backward a
+    contiguous gradient (`collectives.contiguous_gradient`: NCCL refuses anything else), which
+    `CPCOMPILE_STRICT_COLLECTIVES=1` also checks before it reaches the collective."""
+    if not val(payload).is_contiguous():
+        raise AssertionError(f"{ctx.fqn}: {purpose}: a collective's input must be contiguous")
+    launch = emit(op, payload, *args, group.name)
+    done = emit(C.WAIT, launch)
+    record_collective(ctx, op, purpose, launch, done, group)
+    if C.strict_collectives():
+        done = emit(C.check_gradient_layout, done, f"{C.collective_kind(op)}({purpose})")
+    return emit(C.contiguous_gradient, done)
+
+
 def all_gather_sequence(emit: Emitter, ctx: PassContext, x: fx.Node, seq_dim: int, purpose: str,
                         group: CommGroup | None = None) -> fx.Node:
     """Gather `x` along `seq_dim` over `group` (default: cp), ranks in order (rank r's block r-th).
@@ -51,9 +66,7 @@ def all_gather_sequence(emit: Emitter, ctx: PassContext, x: fx.Node, seq_dim: in
     back = [front.index(d) for d in range(rank)]
     moved = emit(aten.permute.default, x, front)
     contiguous = emit(aten.clone.default, moved, memory_format=torch.contiguous_format)
-    launch = emit(C.ALL_GATHER, contiguous, group.size, group.name)
-    done = emit(C.WAIT, launch)
-    record_collective(ctx, C.ALL_GATHER, purpose, launch, done, group)
+    done = collective(emit, ctx, C.ALL_GATHER, contiguous, group.size, purpose=purpose, group=group)
     return emit(aten.permute.default, done, back)
 
 
@@ -72,9 +85,7 @@ def all_to_all(emit: Emitter, ctx: PassContext, x: fx.Node, *, scatter_dim: int,
     front = emit(aten.permute.default, parts, [scatter_dim] + [d for d in range(rank + 1) if d != scatter_dim])
     contiguous = emit(aten.clone.default, front, memory_format=torch.contiguous_format)
     one_part_each = [1] * n
-    launch = emit(C.ALL_TO_ALL, contiguous, one_part_each, one_part_each, group.name)
-    done = emit(C.WAIT, launch)
-    record_collective(ctx, C.ALL_TO_ALL, purpose, launch, done, group)
+    done = collective(emit, ctx, C.ALL_TO_ALL, contiguous, one_part_each, one_part_each, purpose=purpose, group=group)
     # received: [sender, *shape with scatter_dim cut]; put the sender axis just before gather_dim
     beside_gather = list(range(1, gather_dim + 1)) + [0] + list(range(gather_dim + 1, rank + 1))
     placed = emit(aten.permute.default, done, beside_gather)
@@ -97,9 +108,8 @@ def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: 
     send_splits = [count if peer == (rank + 1) % size else 0 for peer in range(size)]
     recv_splits = [count if peer == (rank - 1) % size else 0 for peer in range(size)]
     payload = emit(aten.clone.default, rows, memory_format=torch.contiguous_format)
-    launch = emit(C.ALL_TO_ALL, payload, recv_splits, send_splits, ctx.group_name)
-    received = emit(C.WAIT, launch)
-    record_collective(ctx, C.ALL_TO_ALL, purpose, launch, received, cp_group(ctx))
+    received = collective(emit, ctx, C.ALL_TO_ALL, payload, recv_splits, send_splits, purpose=purpose,
+                          group=cp_group(ctx))
     if rank > 0:
         return received
     # zeros that still depend on `received` (so its backward runs), without 0·inf = NaN

@@ -32,9 +32,20 @@ class Emitter:
         self.fake_mode = fake_mode_of(graph)
 
     def __call__(self, op: Callable, *args: Any, **kwargs: Any) -> fx.Node:
+        return self._emit(op, op, args, kwargs)
+
+    def core(self, op: Callable, *args: Any, fake: Callable | None = None, **kwargs: Any) -> fx.Node:
+        """Emit the call that computes an attention core, tagged so the passes after the rewrite
+        find it (`is_core`). `fake(*args, **kwargs)` gives its value where running `op` on fake
+        tensors cannot (a call that reads a flag back from the device)."""
+        node = self._emit(op, fake or op, args, kwargs)
+        node.meta[CORE_TAG] = True
+        return node
+
+    def _emit(self, op: Callable, fake: Callable, args: tuple, kwargs: dict) -> fx.Node:
         with self.graph.inserting_before(self.anchor):
             node = self.graph.call_function(op, args, kwargs)
-        node.meta["val"] = self._fake_value(op, args, kwargs)
+        node.meta["val"] = self._fake_value(fake, args, kwargs)
         if "nn_module_stack" in self.anchor.meta:
             node.meta["nn_module_stack"] = dict(self.anchor.meta["nn_module_stack"])
         node.meta["cpcompile_pass"] = self.pass_name
@@ -46,6 +57,14 @@ class Emitter:
 
         with self.fake_mode:
             return op(*tree_map(to_val, args), **tree_map(to_val, kwargs))
+
+
+CORE_TAG = "cpcompile_core"
+
+
+def is_core(node: fx.Node) -> bool:
+    """A node a rewrite emitted as the local computation of an attention core."""
+    return node.meta.get(CORE_TAG, False)
 
 
 @dataclass

@@ -41,7 +41,7 @@ from .. import collectives as C
 from ..context import PassContext
 from ..errors import CPInputError
 from ..methods import method_spec
-from .graph_utils import ancestors, descendants
+from .graph_utils import ancestors, descendants, is_core
 
 # Static priority classes of ordinary nodes (rules 2, 4, 5, 6 of the module docstring; lower runs
 # first). Launches and waits are chosen outside this order: whether one may go depends on what
@@ -80,7 +80,7 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     if not ctx.method.asynchronous:
         return gm
     gm.graph.eliminate_dead_code()  # nodes the rewrite left unused must not pass for overlapped work
-    cores = {m.node for m in method_spec(ctx.method).find(gm)}
+    cores = {node for node in gm.graph.nodes if is_core(node)}
     collectives = find_collectives(gm, cores, ctx)
     order = priority_order(gm.graph, collectives)
     reorder_graph(gm.graph, order)

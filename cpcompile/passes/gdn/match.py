@@ -49,7 +49,7 @@ class GdnMatch(CoreMatch):
 
     def emit_core(self, emit, q, k, v, g, beta, initial_state=None) -> fx.Node:
         """A new core call on other inputs (shapes may differ), keeping scale/chunk/backend."""
-        return emit(GDN_CHUNK, q, k, v, g, beta, initial_state, *self.node.args[6:])
+        return emit.core(GDN_CHUNK, q, k, v, g, beta, initial_state, *self.node.args[6:])
 
     def replace_pad_with(self, node: fx.Node) -> None:
         self.conv_pad.replace_all_uses_with(node)

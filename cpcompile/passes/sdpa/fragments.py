@@ -1,5 +1,5 @@
-"""Graph fragments shared by the SDPA rewrites: the self-attention check, global masks and key
-validity, and emitting the attention call that replaces a core. Collectives: `passes/comm.py`."""
+"""Graph fragments shared by the SDPA rewrites: the self-attention check, key validity, and
+emitting the local attention that replaces a core. Collectives: `passes/comm.py`."""
 from __future__ import annotations
 
 import torch
@@ -7,10 +7,11 @@ import torch.fx as fx
 
 from ...context import PassContext
 from ...errors import CPInputError, UnsupportedMaskError
-from ..comm import all_gather_sequence
+from ...kernels.attention import local_attention, local_attention_fake, select_kernel
+from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, evaluate_node, val
 from .masks import CAUSAL, classify_local_mask
-from .match import SDPA, SdpaMatch
+from .match import SdpaMatch
 
 aten = torch.ops.aten
 SEQ_DIM = 2  # SDPA layout [B, H, S, D]
@@ -28,13 +29,6 @@ def check_self_attention(match: SdpaMatch, ctx: PassContext) -> tuple[int, int]:
     return q_len, q_len * ctx.cp_size
 
 
-def global_causal_mask(emit: Emitter, q_len: int, kv_len: int, q_offset: int, device) -> fx.Node:
-    """`[q_len, kv_len]` boolean mask: query i (global index q_offset+i) sees keys j ≤ it."""
-    q_pos = emit(aten.arange.start, q_offset, q_offset + q_len, device=device)
-    k_pos = emit(aten.arange.default, kv_len, device=device)
-    return emit(aten.le.Tensor, emit(aten.unsqueeze.default, k_pos, 0), emit(aten.unsqueeze.default, q_pos, 1))
-
-
 def mask_row(emit: Emitter, local_mask: fx.Node, row: int) -> fx.Node:
     """Key validity `[B, 1, S_local]` read off one query row of a local `[B, H, Sq, Sk]` mask."""
     first_head = emit(aten.slice.Tensor, local_mask, 1, 0, 1)
@@ -46,11 +40,15 @@ def all_valid_keys(emit: Emitter, batch: int, length: int, device) -> fx.Node:
 
 
 def gathered_key_valid(emit: Emitter, ctx: PassContext, key_valid: fx.Node) -> fx.Node:
-    """Gather local key validity `[B, 1, S_local]` into `[B, 1, 1, S_global]` (bool)."""
+    """Gather local key validity `[B, 1, S_local]` into `[B, S_global]` (bool, rank order).
+
+    Every rank gathers it, with or without padding of its own: Hugging Face drops the mask on a
+    rank whose shard has no padding while another rank of the batch passes one, and every rank
+    must issue the same collectives (and attend to the other ranks' padding).
+    """
     as_bytes = emit(aten._to_copy.default, key_valid, dtype=torch.uint8)  # gloo has no bool
     gathered = all_gather_sequence(emit, ctx, as_bytes, seq_dim=2, purpose="key padding mask")
-    as_bool = emit(aten.ne.Scalar, gathered, 0)
-    return emit(aten.unsqueeze.default, as_bool, 2)
+    return emit(aten.ne.Scalar, emit(aten.squeeze.dim, gathered, 1), 0)
 
 
 def local_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> tuple[bool, fx.Node]:
@@ -70,17 +68,20 @@ def local_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx:
     return causal, mask_row(emit, match.attn_mask, q_len - 1 if causal else 0)
 
 
-def visible_keys(emit: Emitter, key_valid: fx.Node, causal: bool, q_len: int, kv_len: int, q_offset: int,
-                 device) -> fx.Node:
-    """The `[B, 1, q_len, kv_len]` mask of queries at global positions `q_offset + i` against keys
-    `0..kv_len-1`: key validity `[B, 1, 1, kv_len]`, and causality when the core is causal."""
-    if not causal:
-        return key_valid
-    return emit(aten.logical_and.default, key_valid, global_causal_mask(emit, q_len, kv_len, q_offset, device))
-
-
-def emit_attention(emit: Emitter, match: SdpaMatch, query: fx.Node, key: fx.Node, value: fx.Node,
-                   attn_mask: fx.Node, enable_gqa: bool) -> fx.Node:
-    """A new SDPA call on the given inputs, keeping the core's dropout and scale."""
-    return emit(SDPA, query, key, value, attn_mask=attn_mask, dropout_p=match.dropout_p, is_causal=False,
-                scale=match.scale, enable_gqa=enable_gqa)
+def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, query: fx.Node, key: fx.Node,
+                         value: fx.Node, key_valid: fx.Node, chunk_starts: list[int], causal: bool) -> fx.Node:
+    """The attention a rank computes after its collectives (`kernels.attention.local_attention`):
+    `query` in equal chunks at global `chunk_starts`, `key`/`value` and `key_valid [B, S]` in
+    global order. The kernels are chosen here, from the traced device and dtype, and named in the
+    dump; nothing `[S_q, S_kv]` is built."""
+    if match.dropout_p:
+        raise CPInputError(f"{ctx.fqn}: attention dropout ({match.dropout_p}) is not supported by CP's local "
+                           "attention kernels; set the model's attention dropout to 0")
+    q = val(query)
+    kernel = select_kernel(q.device, q.dtype)
+    masked_kernel = select_kernel(q.device, q.dtype, masked=True)
+    scale = match.scale if match.scale is not None else q.shape[-1] ** -0.5
+    note_once(ctx, f"local attention: {kernel} blocks (no padded key), {masked_kernel} with padded keys; "
+                   "nothing S_q x S_kv")
+    return emit.core(local_attention, query, key, value, key_valid, list(chunk_starts), causal, float(scale), kernel,
+                     masked_kernel, fake=local_attention_fake)

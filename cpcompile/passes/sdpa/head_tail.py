@@ -6,11 +6,11 @@ head chunk sees few keys and the tail chunk many, so every rank does the same wo
 
 K, V and key validity are all-gathered over cp, which concatenates them rank by rank:
 [c_0, c_{2cp-1}, c_1, c_{2cp-2}, …]. They are then put back into global order (one copy of
-K and V) rather than masked in gathered order, because in global order the keys a chunk can
-see are a prefix: the head chunk attends to the first (r+1)·c keys and the tail chunk to the
-first (t+1)·c, so a rank scores (2·cp+1)·c² query-key pairs per head instead of the 4·cp·c²
-of two full-length masked attentions — the saving load balancing is for. The two outputs are
-concatenated in local order; autograd closes the backward (the gathers become reduce-scatters).
+K and V), because in global order the keys a chunk can see are a prefix: the head chunk attends
+to the first (r+1)·c keys and the tail chunk to the first (t+1)·c, so a rank scores (2·cp+1)·c²/2
+query-key pairs per head, the same on every rank — the saving load balancing is for. Both chunks
+go to one `local_attention` call (chunks at global starts r·c and t·c); autograd closes the
+backward (the gathers become reduce-scatters).
 """
 from __future__ import annotations
 
@@ -22,35 +22,26 @@ from ...errors import CPInputError
 from ...methods import HEAD_TAIL, register_method
 from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, evaluate_node, val
-from .fragments import (
-    all_valid_keys, check_self_attention, emit_attention, gathered_key_valid, mask_row, visible_keys,
-)
+from .fragments import all_valid_keys, check_self_attention, emit_local_attention, gathered_key_valid, mask_row
 from .masks import CAUSAL, classify_local_mask
 from .match import SdpaMatch, sdpa_method
 
 aten = torch.ops.aten
-SEQ_DIM = 2  # SDPA layout [B, H, S, D]; gathered key validity is [B, 1, 1, S]
-KEY_VALID_SEQ_DIM = 3
+SEQ_DIM = 2  # SDPA layout [B, H, S, D]; gathered key validity is [B, S]
+KEY_VALID_SEQ_DIM = 1
 
 
 def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:
     emit = Emitter(gm.graph, match.node, "sdpa_head_tail")
-    local_len, global_len = check_self_attention(match, ctx)
+    local_len, _ = check_self_attention(match, ctx)
     chunk = chunk_length(ctx, local_len)
-    local_key, local_value, enable_gqa = match.unrepeated_kv()
-    key = to_global_order(emit, all_gather_sequence(emit, ctx, local_key, SEQ_DIM, "K"), SEQ_DIM, ctx.cp_size)
-    value = to_global_order(emit, all_gather_sequence(emit, ctx, local_value, SEQ_DIM, "V"), SEQ_DIM, ctx.cp_size)
     causal, local_valid = head_tail_key_validity(emit, gm, match, ctx, chunk)
     key_valid = to_global_order(emit, gathered_key_valid(emit, ctx, local_valid), KEY_VALID_SEQ_DIM, ctx.cp_size)
-    outputs = []
-    for position, chunk_index in enumerate(local_chunks(ctx)):
-        query = emit(aten.slice.Tensor, match.query, SEQ_DIM, position * chunk, (position + 1) * chunk)
-        seen = (chunk_index + 1) * chunk if causal else global_len  # keys this chunk can attend to: a prefix
-        mask = visible_keys(emit, prefix(emit, key_valid, KEY_VALID_SEQ_DIM, seen), causal, chunk, seen,
-                            chunk_index * chunk, val(match.query).device)
-        outputs.append(emit_attention(emit, match, query, prefix(emit, key, SEQ_DIM, seen),
-                                      prefix(emit, value, SEQ_DIM, seen), mask, enable_gqa))
-    match.replace_with(gm, emit(aten.cat.default, outputs, SEQ_DIM))
+    local_key, local_value, _ = match.unrepeated_kv()
+    key = to_global_order(emit, all_gather_sequence(emit, ctx, local_key, SEQ_DIM, "K"), SEQ_DIM, ctx.cp_size)
+    value = to_global_order(emit, all_gather_sequence(emit, ctx, local_value, SEQ_DIM, "V"), SEQ_DIM, ctx.cp_size)
+    starts = [index * chunk for index in local_chunks(ctx)]
+    match.replace_with(gm, emit_local_attention(emit, ctx, match, match.query, key, value, key_valid, starts, causal))
     head, tail = local_chunks(ctx)
     note_once(ctx, f"head-tail: local chunks {head} and {tail} of {2 * ctx.cp_size} ({chunk} tokens each); "
                    "K/V gathered over cp and put in global order, each chunk attends to its visible key prefix")

@@ -1,8 +1,8 @@
 """Ulysses CP for one SDPA core, and the head-parallel attention Hybrid builds on.
 
 Each rank trades its sequence block of every head for the whole span of its head group
-(sequence→head all-to-all of Q, K and V over d ranks), runs ordinary attention on H/d heads,
-and trades back (head→sequence all-to-all of the output). Autograd turns each exchange into
+(sequence→head all-to-all of Q, K and V over d ranks), runs attention on H/d heads (for
+Ulysses a plain `is_causal` call over the whole sequence, inside `local_attention`), and trades back (head→sequence all-to-all of the output). Autograd turns each exchange into
 its inverse in backward. Pure Ulysses uses d = cp, so the span is the whole sequence; Hybrid
 exchanges inside Ulysses sub-groups of d ranks and then all-gathers K/V in its ring group.
 """
@@ -16,7 +16,7 @@ from ...errors import CPInputError
 from ...methods import register_method
 from ..comm import CommGroup, all_gather_sequence, all_to_all, cp_group, note_once
 from ..graph_utils import Emitter, val
-from .fragments import check_self_attention, emit_attention, gathered_key_valid, local_key_validity, visible_keys
+from .fragments import check_self_attention, emit_local_attention, gathered_key_valid, local_key_validity
 from .match import SdpaMatch, sdpa_method
 
 aten = torch.ops.aten
@@ -38,21 +38,20 @@ def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext
     those spans end to end: the global sequence.
     """
     emit = Emitter(gm.graph, match.node, pass_name)
-    local_len, global_len = check_self_attention(match, ctx)
-    local_key, local_value, enable_gqa = match.unrepeated_kv()
+    local_len, _ = check_self_attention(match, ctx)
+    local_key, local_value, _ = match.unrepeated_kv()
     replicas = kv_replicas(ctx, label, heads.size, val(match.query).shape[HEAD_DIM], val(local_key).shape[HEAD_DIM])
+    causal, key_valid = local_key_validity(emit, gm, match, ctx)
+    key_valid = gathered_key_valid(emit, ctx, key_valid)  # first: it needs no projection, they run under it
     query = seq_to_heads(emit, ctx, match.query, heads, "Q")
     key = seq_to_heads(emit, ctx, replicate_heads(emit, local_key, replicas), heads, "K")
     value = seq_to_heads(emit, ctx, replicate_heads(emit, local_value, replicas), heads, "V")
     if keys is not None:
         key = all_gather_sequence(emit, ctx, key, SEQ_DIM, "K", group=keys)
         value = all_gather_sequence(emit, ctx, value, SEQ_DIM, "V", group=keys)
-    causal, key_valid = local_key_validity(emit, gm, match, ctx)
-    key_valid = gathered_key_valid(emit, ctx, key_valid)
-    span = local_len * heads.size
-    mask = visible_keys(emit, key_valid, causal, span, global_len, (ctx.cp_rank // heads.size) * span,
-                        val(match.query).device)
-    output = emit_attention(emit, match, query, key, value, mask, enable_gqa)
+    span = local_len * heads.size  # the queries: one chunk of the group's span, at g·span
+    output = emit_local_attention(emit, ctx, match, query, key, value, key_valid,
+                                  [(ctx.cp_rank // heads.size) * span], causal)
     match.replace_with(gm, heads_to_seq(emit, ctx, output, heads, "attention output"))
     ctx.cores_rewritten += 1
 
