@@ -125,9 +125,9 @@ def _batch_layout(mesh: Any, plan: Any) -> tuple[int, int, str]:
         raise CPConfigError(f"plan has cp_size={plan_cp} but the mesh has cp_size={cp_size}")
     if cp_size == 1:  # nothing is sliced, so no layout is needed
         return cp_size, cp_rank, CONTIGUOUS
-    layout = plan.layout()  # the one-layout rule (`cpcompile.plan.sequence_layout`)
+    layout = plan.layout() if plan is not None else None  # the one-layout rule (`plan.sequence_layout`)
     if layout is None:
-        raise CPInputError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
+        raise CPConfigError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
     return cp_size, cp_rank, layout
 
 

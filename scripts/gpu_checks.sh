@@ -8,7 +8,7 @@ bench_seconds=${2:-380}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 gpus=$(nvidia-smi -L | wc -l)
-timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gdn_triton_cp.py tests/kernels/test_gdn_triton.py -s \
+timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gdn/test_gdn_triton_cp.py tests/kernels/test_gdn_triton.py -s \
   2>&1 | tee "$out/gpu_tests.log" | grep -E "vs |passed|failed|Error"
 # SIGINT at the limit: the benchmark writes the tables of what it measured so far
 timeout -s INT "$bench_seconds" python3 benchmarks/gdn_kernels.py --T 16384 32768 65536 8192 --no-breakdown \

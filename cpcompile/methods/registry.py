@@ -85,21 +85,21 @@ _METHODS: dict[tuple[str, str, bool], MethodSpec] = {}
 _ADAPTERS: dict[str, AdapterSpec] = {}
 
 
+def _register(table: dict, key, spec, what: str):
+    """Add `spec` under `key` once; the same spec again is harmless, another one is refused."""
+    if table.get(key, spec) != spec:
+        raise CPInputError(f"{what} is already registered")
+    table[key] = spec
+    return spec
+
+
 def register_method(spec: MethodSpec) -> MethodSpec:
     """Register `spec` once; returns it, so a pass file can keep it as a constant for its wrappers."""
-    other = _METHODS.get(spec.key)
-    if other is not None and other != spec:
-        raise CPInputError(f"CP method {spec.label()} is already registered ({other.rewrite.__module__})")
-    _METHODS[spec.key] = spec
-    return spec
+    return _register(_METHODS, spec.key, spec, f"CP method {spec.label()}")
 
 
 def register_adapter(spec: AdapterSpec) -> AdapterSpec:
-    other = _ADAPTERS.get(spec.name)
-    if other is not None and other != spec:
-        raise CPInputError(f"model adapter {spec.name!r} is already registered")
-    _ADAPTERS[spec.name] = spec
-    return spec
+    return _register(_ADAPTERS, spec.name, spec, f"model adapter {spec.name!r}")
 
 
 def _load_builtins() -> None:

@@ -16,7 +16,7 @@ from cpcompile.methods import CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan, load_plan
 from cpcompile.methods import inner_wrapper
 
-DATA = pathlib.Path(__file__).parent / "data"
+DATA = pathlib.Path(__file__).parent.parent / "data"
 SDPA_HF = "cpcompile.wrappers.sdpa_hf_cp_wrapper"
 
 

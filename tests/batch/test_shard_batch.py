@@ -18,13 +18,7 @@ from cpcompile.batch import (
 from cpcompile.methods import CONTIGUOUS, HEAD_TAIL, CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan
 
-try:  # the shared launcher, once it exists; else the private one in test_loss.py
-    from dist_utils import run_distributed as _launch  # type: ignore[import-not-found]
-except ImportError:
-    try:
-        from test_loss import _run_distributed as _launch
-    except ImportError:
-        from tests.test_loss import _run_distributed as _launch
+from dist_utils import run_distributed as _launch
 
 LAYOUTS = [CONTIGUOUS, HEAD_TAIL]
 

@@ -1,4 +1,4 @@
-"""Head-Tail specifics (its equivalence runs are in test_sdpa_methods.py)."""
+"""Head-Tail specifics (its equivalence runs are in test_sdpa_methods_equivalence.py)."""
 from __future__ import annotations
 
 import random

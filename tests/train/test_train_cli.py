@@ -13,7 +13,7 @@ from dist_utils import run_distributed
 from cp_harness import sdpa_plan
 from gdn_harness import TEXT, gdn_plan
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 QWEN3 = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
