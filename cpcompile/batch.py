@@ -266,6 +266,10 @@ def shard_batch(
     ``pad=True`` right-pads: ids with ``pad_token_id``, embeddings with 0, labels with -100,
     position ids continuing each row, and ``attention_mask`` with 0 (none is created when the
     user gave none: right padding is causally invisible to real tokens).
+
+    Head-Tail without a user mask gets an all-ones ``attention_mask``: transformers would read the
+    jump in position ids between a rank's two chunks as two packed documents and build a
+    ``[B, 1, S_local, S_local]`` mask; with an all-ones padding mask it passes no mask at all.
     """
     _check_keys(global_batch)
     cp_size, cp_rank, layout = _batch_layout(mesh, plan)
@@ -312,6 +316,8 @@ def shard_batch(
             dim = _SEQ_DIM[key] % tensor.dim()
             tensor = tensor.index_select(dim, index.to(tensor.device))
         local[key] = tensor
+    if layout == HEAD_TAIL and cp_size > 1 and "attention_mask" not in local:
+        local["attention_mask"] = torch.ones(bsz, seq_len // cp_size, dtype=torch.long, device=main.device)
     for key in PASSTHROUGH_KEYS:
         if key in global_batch and key != "num_items_in_batch":
             local[key] = global_batch[key]

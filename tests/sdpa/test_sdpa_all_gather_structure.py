@@ -56,11 +56,11 @@ def test_all_gather_structure_identical_on_every_rank():
     local_len, batch, kv_heads, head_dim = 4, 2, 2, 8
     for rank, result in enumerate(results):
         for layer in result["per_layer"]:
-            # K, V at the KV-head count (never repeated to Q heads), then the key-padding row
+            # the key-padding row first (the projections run under it), then K, V at the KV-head count
             assert [g["shape"] for g in layer] == [
-                (local_len, batch, kv_heads, head_dim),
-                (local_len, batch, kv_heads, head_dim),
                 (local_len, batch, 1),
+                (local_len, batch, kv_heads, head_dim),
+                (local_len, batch, kv_heads, head_dim),
             ], f"rank {rank}: {layer}"
             assert all(g["waited_next"] for g in layer), "each launch must have exactly one wait, right after it"
             assert all(g["group_size"] == WORLD for g in layer)

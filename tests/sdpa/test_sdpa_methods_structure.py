@@ -32,7 +32,7 @@ def _group_roles(mesh, method: str) -> dict:
 
 def _layer_collectives(layer, roles: dict) -> list:
     from cpcompile import collectives as C
-    from cpcompile.passes.sdpa.match import SDPA
+    from cpcompile.passes.graph_utils import is_core
 
     (program,) = layer.self_attn.forward.programs.values()
     nodes = list(program.gm.graph.nodes)
@@ -46,7 +46,7 @@ def _layer_collectives(layer, roles: dict) -> list:
         )
         for n in nodes if n.target in C.LAUNCH_OPS
     ]
-    return {"collectives": rows, "attention_calls": sum(n.target is SDPA for n in nodes)}
+    return {"collectives": rows, "attention_calls": sum(is_core(n) for n in nodes)}
 
 
 def _backward_collectives(model, local) -> list:
@@ -111,21 +111,22 @@ def _gather(shape, group="cp", size=WORLD):
 
 KEY_VALIDITY = _gather((LOCAL, B, 1))
 EXPECTED = {
-    # Q, K, V sequence→head (KV heads 2 < cp 4: replicated to 4, one per rank), key validity,
-    # output head→sequence; the parts exchanged are [B, heads/cp, tokens, D] blocks.
+    # Key validity first (it needs no projection), Q, K, V sequence→head (KV heads 2 < cp 4:
+    # replicated to 4, one per rank), output head→sequence; the parts exchanged are
+    # [B, heads/cp, tokens, D] blocks. One local attention call.
     "ulysses": (
-        [_a2a(WORLD, (B, HQ // WORLD, LOCAL, D))] * 3 + [KEY_VALIDITY] + [_a2a(WORLD, (B, 1, LOCAL, D))],
+        [KEY_VALIDITY] + [_a2a(WORLD, (B, HQ // WORLD, LOCAL, D))] * 3 + [_a2a(WORLD, (B, 1, LOCAL, D))],
         1, ["all_to_all_single"] * 4,
     ),
     # A2A in Ulysses sub-groups of 2, then K/V gathered in ring sub-groups of 2 (8 tokens each).
     "hybrid": (
-        [_a2a(2, (B, HQ // 2, LOCAL, D), "cp_ulysses")] + [_a2a(2, (B, HKV // 2, LOCAL, D), "cp_ulysses")] * 2
-        + [_gather((2 * LOCAL, B, HKV // 2, D), "cp_ring", 2)] * 2 + [KEY_VALIDITY]
+        [KEY_VALIDITY] + [_a2a(2, (B, HQ // 2, LOCAL, D), "cp_ulysses")]
+        + [_a2a(2, (B, HKV // 2, LOCAL, D), "cp_ulysses")] * 2 + [_gather((2 * LOCAL, B, HKV // 2, D), "cp_ring", 2)] * 2
         + [_a2a(2, (B, HQ // 2, LOCAL, D), "cp_ulysses")],
         1, ["all_to_all_single"] * 4 + ["reduce_scatter_tensor"] * 2,
     ),
-    # K/V gathered at the KV-head count, key validity; two attentions (head and tail chunk).
-    "head_tail": ([_gather((LOCAL, B, HKV, D))] * 2 + [KEY_VALIDITY], 2, ["reduce_scatter_tensor"] * 2),
+    # Key validity, K/V gathered at the KV-head count; one local attention call for both chunks.
+    "head_tail": ([KEY_VALIDITY] + [_gather((LOCAL, B, HKV, D))] * 2, 1, ["reduce_scatter_tensor"] * 2),
 }
 
 
@@ -146,9 +147,11 @@ def test_dump_names_method_subgroups_and_collectives():
         hybrid = result["hybrid"]["dump"]
         assert hybrid["method"] == "hybrid" and hybrid["params"] == {"ulysses_degree": 2}
         purposes = [c["purpose"] for c in hybrid["collectives_inserted"]]
-        assert purposes == ["Q @cp_ulysses", "K @cp_ulysses", "V @cp_ulysses", "K @cp_ring", "V @cp_ring",
-                            "key padding mask", "attention output @cp_ulysses"]
-        assert [c["group_size"] for c in hybrid["collectives_inserted"]] == [2, 2, 2, 2, 2, 4, 2]
+        assert purposes == ["key padding mask", "Q @cp_ulysses", "K @cp_ulysses", "V @cp_ulysses", "K @cp_ring",
+                            "V @cp_ring", "attention output @cp_ulysses"]
+        assert [c["group_size"] for c in hybrid["collectives_inserted"]] == [4, 2, 2, 2, 2, 2, 2]
+        # which kernels serve the core
+        assert any("local attention: cpu_flash blocks" in note for note in hybrid["notes"]), hybrid["notes"]
         assert any("cp_ulysses" in note and "cp_ring" in note for note in hybrid["notes"])
         ulysses = result["ulysses"]["dump"]
         assert ulysses["method"] == "ulysses"

@@ -14,6 +14,9 @@ flag read back from the device): without, `chunk_attention` runs the unmasked bl
 `kernel`; with, `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the tiles of
 `tiled_attention` on a kernel that takes a mask (the CPU's). `kernel="flex"` (CUDA fp32, which
 the fused kernels with a log-sum-exp output do not take) runs FlexAttention always, reading no flag.
+
+Under `torch.compile` no flag is read either (it would break the graph at every attention): the
+masked path runs, which is exact without padding too, at FlexAttention's speed on CUDA.
 """
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ def has_padding(key_valid: Tensor) -> bool:
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, chunk_starts: list[int], causal: bool,
                     scale: float, kernel: str, masked_kernel: str) -> Tensor:
-    if kernel != "flex" and not has_padding(key_valid):
+    if kernel != "flex" and not torch.compiler.is_compiling() and not has_padding(key_valid):
         return chunk_attention(q, k, v, chunk_starts, causal, scale, kernel)[0]
     if masked_kernel == "flex":
         return flex_chunk_attention(q, k, v, key_valid, chunk_starts, causal, scale)
