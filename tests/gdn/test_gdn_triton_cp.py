@@ -293,22 +293,28 @@ def test_gpu_triton_ops_match_eager_bf16():
 @gpu
 @needs_cuda
 def test_gpu_layer_triton_matches_eager_bf16():
-    """One GPU, CP=1: a bf16 Qwen3.5 GDN layer (T = 8K = 2 ranks x 4K) with the triton core vs the
-    eager core — the precision the CP test below asserts, on the machine that has one GPU."""
+    """One GPU, CP=1: a bf16 Qwen3.5 GDN layer (T = 8K = 2 ranks x 4K) with the triton core, judged
+    as CP is on a GPU: against the layer in fp32 (eager core), within 1.5x the error of the bf16
+    layer with the eager core (+1e-3), for the output, the input gradient and every parameter."""
+    from cpcompile.parity import within_precision
+
     gen = torch.Generator().manual_seed(7)
     hidden = torch.randn(2, 2 * GPU_LOCAL_LEN, GPU_SIZE["hidden_size"], generator=gen).to("cuda", torch.bfloat16)
     weight = torch.randn(hidden.shape, generator=gen).to("cuda", torch.bfloat16)
     runs = {}
-    for backend in ("triton", "eager"):
-        model = use_core(gdn_layer(GPU_SIZE, 7, torch.bfloat16, "cuda"), backend)
-        x = hidden.clone().requires_grad_()
+    for name, backend, dtype in (("triton", "triton", torch.bfloat16), ("eager", "eager", torch.bfloat16),
+                                 ("fp32", "eager", torch.float32)):
+        model = use_core(gdn_layer(GPU_SIZE, 7, torch.bfloat16, "cuda").to(dtype), backend)
+        x = hidden.to(dtype).requires_grad_()
         out = model(x)
-        (out * weight).sum().backward()
-        runs[backend] = (out, x.grad, {n: p.grad for n, p in model.named_parameters()})
-    (o_t, dx_t, g_t), (o_e, dx_e, g_e) = runs["triton"], runs["eager"]
-    errors = {"output": rel(o_t, o_e), "input_grad": rel(dx_t, dx_e), **{n: rel(g_t[n], g_e[n]) for n in g_e}}
-    print("layer triton vs eager, T=8192 bf16:", {k: f"{v:.1e}" for k, v in errors.items()})
-    assert max(errors.values()) <= 1e-2, errors
+        (out * weight.to(dtype)).sum().backward()
+        runs[name] = {"output": out, "input_grad": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+    errors = {run: {k: rel(v, runs["fp32"][k]) for k, v in runs[run].items()} for run in ("triton", "eager")}
+    print("layer vs fp32, T=8192, triton / eager bf16:",
+          {k: f"{errors['triton'][k]:.1e}/{errors['eager'][k]:.1e}" for k in errors["eager"]})
+    failing = {k: (errors["triton"][k], errors["eager"][k]) for k in errors["eager"]
+               if not within_precision(errors["triton"][k], errors["eager"][k])}
+    assert not failing, failing
 
 
 class LoopbackRing:

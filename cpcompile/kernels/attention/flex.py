@@ -18,6 +18,8 @@ import functools
 import torch
 from torch import Tensor
 
+from ...collectives import contiguous_gradient
+
 BLOCK = 128
 
 
@@ -83,5 +85,8 @@ def block_mask(key_valid: Tensor, chunk_starts: list[int], q_len: int, causal: b
 
 def flex_chunk_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, chunk_starts: list[int], causal: bool,
                          scale: float) -> Tensor:
+    """FlexAttention under the block mask; its input gradients come back contiguous, as the custom
+    ops' do (K and V come from collectives)."""
+    q, k, v = (contiguous_gradient(x) for x in (q, k, v))
     mask = block_mask(key_valid, chunk_starts, q.shape[2], causal)
     return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])
