@@ -238,18 +238,15 @@ def main() -> int:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--out", default=None, help="markdown table (default: printed only)")
-    parser.add_argument("--backend", choices=("nccl", "gloo"), default=None,
-                        help="default: nccl on CUDA, gloo on CPU; gloo on CUDA lets ranks share one GPU "
-                             "(equivalence only: times are then meaningless)")
     parser.add_argument("--padded", action="store_true",
                         help="check equivalence on a padded batch of two rows (left and right padding)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default=None, help="default: bf16 on CUDA, fp32 on CPU")
     args = parser.parse_args()
     args.dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, None: None}[args.dtype] or (
         torch.bfloat16 if args.device == "cuda" else torch.float32)
-    if args.device == "cuda":  # ranks beyond the GPU count share GPUs (gloo only)
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
-    dist.init_process_group(args.backend or ("nccl" if args.device == "cuda" else "gloo"))
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     try:
         lines, ok = run(args)
         if dist.get_rank() == 0:

@@ -305,10 +305,11 @@ def test_gpu_layer_triton_matches_eager_bf16():
     for name, backend, dtype in (("triton", "triton", torch.bfloat16), ("eager", "eager", torch.bfloat16),
                                  ("fp32", "eager", torch.float32)):
         model = use_core(gdn_layer(GPU_SIZE, 7, torch.bfloat16, "cuda").to(dtype), backend)
-        x = hidden.to(dtype).requires_grad_()
+        x = hidden.to(dtype).clone().requires_grad_()  # a fresh leaf per run
         out = model(x)
         (out * weight.to(dtype)).sum().backward()
-        runs[name] = {"output": out, "input_grad": x.grad, **{n: p.grad for n, p in model.named_parameters()}}
+        runs[name] = {"output": out, "input_grad": x.grad,
+                      **{n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
     errors = {run: {k: rel(v, runs["fp32"][k]) for k, v in runs[run].items()} for run in ("triton", "eager")}
     print("layer vs fp32, T=8192, triton / eager bf16:",
           {k: f"{errors['triton'][k]:.1e}/{errors['eager'][k]:.1e}" for k in errors["eager"]})
