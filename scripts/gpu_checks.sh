@@ -1,21 +1,39 @@
 #!/usr/bin/env bash
-# What we run on a CUDA machine (not CI): the GPU test set, the GDN kernel benchmark and, with
-# several GPUs, every CP method over NCCL (equivalence, speed, memory) and the async overlap report.
-# Usage: bash scripts/gpu_checks.sh OUT_DIR [benchmark seconds]   (fla-core installed for the comparison)
+# What we run on a CUDA machine (not CI). Sections, chosen by SECTIONS (default: all):
+#   tests    the GPU test set (-m gpu): local attention kernels, SDPA regions on CUDA, GDN kernels
+#            and layer; with two GPUs, every SDPA method over NCCL (bf16 judged against fp32)
+#   attn     benchmarks/local_attention.py: a rank's local attention vs one fused call (one GPU)
+#   gdn      benchmarks/gdn_kernels.py (fla-core installed for the comparison)
+#   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
+#            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
+# Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
 set -uo pipefail
 out=${1:?output folder}
 bench_seconds=${2:-380}
+sections=${SECTIONS:-tests attn gdn multi}
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# NVLink multicast stays off on shared multi-GPU hosts (device tool README)
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 gpus=$(nvidia-smi -L | wc -l)
-timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/gdn/test_gdn_triton_cp.py tests/kernels/test_gdn_triton.py -s \
-  2>&1 | tee "$out/gpu_tests.log" | grep -E "vs |passed|failed|Error"
-# SIGINT at the limit: the benchmark writes the tables of what it measured so far
-timeout -s INT "$bench_seconds" python3 benchmarks/gdn_kernels.py --T 16384 32768 65536 8192 --no-breakdown \
-  --out "$out/gdn_kernels.md" 2>&1 | tee "$out/bench.log"
-if [ "$gpus" -ge 2 ]; then
+has() { [[ " $sections " == *" $1 "* ]]; }
+if has tests; then
+  timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/sdpa tests/gdn -s \
+    2>&1 | tee "$out/gpu_tests.log" | grep -E "vs |errors|passed|failed|Error"
+fi
+if has attn; then
+  timeout 400 python3 benchmarks/local_attention.py --out "$out/local_attention.md" 2>&1 | grep "^|"
+fi
+if has gdn; then
+  # SIGINT at the limit: the benchmark writes the tables of what it measured so far
+  timeout -s INT "$bench_seconds" python3 benchmarks/gdn_kernels.py --T 16384 32768 65536 8192 --no-breakdown \
+    --out "$out/gdn_kernels.md" 2>&1 | tee "$out/bench.log"
+fi
+if has multi && [ "$gpus" -ge 2 ]; then
   timeout 900 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp_methods.py --device cuda \
     --out "$out/cp_methods.md" 2>&1 | tee "$out/cp_methods.log" | grep "^|"
+  timeout 900 torchrun --standalone --nproc-per-node "$gpus" benchmarks/sdpa_vs_torch_cp.py --device cuda \
+    --out "$out/sdpa_vs_torch_cp.md" 2>&1 | tee "$out/sdpa_vs_torch_cp.log" | grep "^|"
   timeout 600 torchrun --standalone --nproc-per-node "$gpus" benchmarks/overlap_report.py --device cuda \
     --methods all_gather ulysses --seq 65536 --dump-dir /tmp/overlap --out "$out/overlap.md" 2>&1 | grep "^|"
 fi
