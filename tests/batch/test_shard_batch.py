@@ -180,6 +180,8 @@ def test_pad_true_right_pads_every_field(layout, with_mask):
     if with_mask:
         mask = _reassemble(locals_, "attention_mask", cp, layout)
         assert (mask[:, seq_len:] == 0).all() and (mask[:, :seq_len] == batch["attention_mask"]).all()
+    elif layout == HEAD_TAIL:  # all ones: keeps transformers from building a two-document local mask
+        assert all((loc["attention_mask"] == 1).all() for loc in locals_)
     else:
         assert "attention_mask" not in locals_[0]
     assert all(loc["num_items_in_batch"].item() == n_valid for loc in locals_)
