@@ -301,10 +301,12 @@ def nodes_between(order: dict[fx.Node, int], nodes: list[fx.Node], c: Collective
 def check_overlap(gm: fx.GraphModule, collectives: list[Collective], cores: set[fx.Node], ctx: PassContext) -> None:
     """Refuse an async region whose collectives hide nothing; note the ones that cannot.
 
-    Every collective feeding an attention core must have compute between its launch and its
-    wait, and each core's collectives together must hide some of the model's own compute
-    (not only the rewrite's layout copies). A collective produced *from* a core (Ulysses'
-    output exchange) has nothing independent left to hide behind; it is noted, not refused.
+    Each core's collectives together must hide some of the model's own compute (not only the
+    rewrite's layout copies), and every collective feeding it must have compute between its
+    launch and its wait — except the last one launched: once every input of the core is in
+    flight, nothing independent may be left (Ulysses: the Q, K and V exchanges hide each other's
+    projections, the last one nothing). It and a collective produced *from* a core (Ulysses'
+    output exchange) are noted, not refused.
     """
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
@@ -313,13 +315,18 @@ def check_overlap(gm: fx.GraphModule, collectives: list[Collective], cores: set[
         if not c.is_input:
             ctx.notes.append(f"async: {c.describe()} is computed from the attention output; "
                              "nothing independent is left to overlap, it stays synchronous")
-        elif not any(is_compute(n) for n in nodes_between(order, nodes, c)):
-            raise CPInputError(
-                f"{ctx.fqn}: {method}, but collective {c.describe()} has no compute between its launch "
-                f"and its wait (a launch then a wait is not async); use the synchronous {sync_counterpart(ctx)}"
-            )
     for core in sorted(cores, key=order.get):
-        feeding = [c for c in collectives if core in c.cores]
+        feeding = sorted((c for c in collectives if core in c.cores), key=lambda c: order[c.launch])
+        for c in feeding:
+            if any(is_compute(n) for n in nodes_between(order, nodes, c)):
+                continue
+            if c is not feeding[-1]:
+                raise CPInputError(
+                    f"{ctx.fqn}: {method}, but collective {c.describe()} has no compute between its launch "
+                    f"and its wait (a launch then a wait is not async); use the synchronous {sync_counterpart(ctx)}"
+                )
+            ctx.notes.append(f"async: {c.describe()} is the last input of its attention; nothing independent "
+                             "is left to overlap, it stays synchronous")
         hidden = {n for c in feeding for n in nodes_between(order, nodes, c) if is_model_compute(n)}
         if feeding and not hidden:
             raise CPInputError(

@@ -154,13 +154,16 @@ def results() -> list:
 
 @pytest.mark.parametrize("method", ASYNC_METHODS)
 def test_launch_at_handoff_wait_at_consumer(method):
+    """Every launch at its handoff, every wait at its consumer; every collective feeding the
+    attention hides compute, except the last launched (nothing independent may be left then)."""
     for rank, result in enumerate(results()):
         for layer in result[method]["layers"]:
             for row in layer:
                 assert row["after_producer"], f"rank {rank}: {row['signature']} is not launched at its handoff"
                 assert row["before_consumer"], f"rank {rank}: {row['signature']} is not waited at its consumer"
-                if row["feeds_attention"]:
-                    assert row["compute_between"] >= 1, f"rank {rank}: {row['signature']} has nothing between"
+            feeding = [row for row in layer if row["feeds_attention"]]
+            for row in feeding[:-1]:
+                assert row["compute_between"] >= 1, f"rank {rank}: {row['signature']} has nothing between"
 
 
 @pytest.mark.parametrize("method", ASYNC_METHODS)
@@ -197,7 +200,7 @@ def test_compiled_forward_keeps_the_schedule(method):
         assert [row["collective"] for row in rows] == eager_kinds, "torch.compile changed the collective order"
         feeding = [row for row, eager in zip(rows, results()[0][method]["layers"][0]) if eager["feeds_attention"]]
         assert all(row["after_producer"] and row["before_consumer"] for row in rows), rows
-        assert all(row["compute_between"] >= 1 for row in feeding), rows
+        assert all(row["compute_between"] >= 1 for row in feeding[:-1]), rows
         assert sum(row["matmuls_between"] for row in feeding) >= 1, "no projection runs under the collectives"
 
 

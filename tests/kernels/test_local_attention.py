@@ -39,14 +39,31 @@ def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-def _attention(starts, key_valid=None, causal=True, scale=None, kernel=None, masked_kernel=None):
-    """local_attention as a function of (q, k, v); all keys valid unless `key_valid` is given."""
+def _attention(starts, key_tags=None, causal=True, scale=None, kernel=None, masked_kernel=None):
+    """local_attention as a function of (q, k, v); one unpadded document unless `key_tags` is given."""
     def run(q, k, v):
-        valid = key_valid if key_valid is not None else torch.ones(k.shape[0], k.shape[2], dtype=torch.bool)
-        return local_attention(q, k, v, valid.to(q.device), starts, causal, scale or q.shape[-1] ** -0.5,
+        tags = key_tags if key_tags is not None else torch.zeros(k.shape[0], k.shape[2], dtype=torch.long)
+        return local_attention(q, k, v, tags.to(q.device), starts, causal, scale or q.shape[-1] ** -0.5,
                                kernel or select_kernel(q.device, q.dtype),
                                masked_kernel or select_kernel(q.device, q.dtype, masked=True))
     return run
+
+
+def random_tags(batch: int, length: int, *, padded: bool, documents: bool, seed: int = 1) -> torch.Tensor:
+    """Key tags (`kernels/attention/layout.py`): documents of random lengths (1 to 40 tokens, so some
+    are shorter than a tile or a block and many cross them), padding at random places."""
+    gen = torch.Generator().manual_seed(seed)
+    docs = torch.zeros(batch, length, dtype=torch.long)
+    if documents:
+        starts = torch.rand(batch, length, generator=gen) < 1 / 20
+        starts[:, 0] = False
+        docs = starts.long().cumsum(1)
+    if padded:
+        real = torch.rand(batch, length, generator=gen) > 0.3
+        real[1, :] = False  # a row whose queries see no key at all: zero output, finite gradients
+        real[1, -5:] = True
+        docs = torch.where(real, docs, -docs - 1)
+    return docs
 
 
 def _check(op, oracle, q, k, v, tol):
@@ -69,55 +86,55 @@ def test_unpadded_chunks_match_oracle(layout, heads, dtype, tol, causal):
            q, k, v, tol)
 
 
+@pytest.mark.parametrize("padded, documents", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_padded_matches_oracle(layout, causal):
+def test_masked_matches_oracle(layout, causal, padded, documents):
     s_kv, chunk, starts = layout
     q, k, v = _inputs(2, 4, 2, chunk * len(starts), s_kv, 8, torch.float64)
-    gen = torch.Generator().manual_seed(1)
-    key_valid = torch.rand(2, s_kv, generator=gen) > 0.3
-    key_valid[1, :] = False  # a row whose queries see no key at all: zero output, finite gradients
-    key_valid[1, -5:] = True
-    _check(_attention(starts, key_valid, causal, scale=0.3),
-           lambda q, k, v: naive_attention(q, k, v, starts, causal=causal, key_valid=key_valid, scale=0.3),
+    tags = random_tags(2, s_kv, padded=padded, documents=documents)
+    _check(_attention(starts, tags, causal, scale=0.3),
+           lambda q, k, v: naive_attention(q, k, v, starts, causal=causal, key_tags=tags, scale=0.3),
            q, k, v, 1e-12)
 
 
 @pytest.mark.parametrize("causal", [True, False])
 def test_ops_pass_opcheck(causal):
     q, k, v = (x.detach().requires_grad_() for x in _inputs(1, 4, 2, 32, 64, 8, torch.float32))
-    key_valid = torch.rand(1, 64) > 0.2
+    tags = random_tags(1, 64, padded=False, documents=True)
     torch.library.opcheck(torch.ops.cpcompile.chunk_attention.default, (q, k, v, [16, 48], causal, 0.3, "cpu_flash"))
     torch.library.opcheck(torch.ops.cpcompile.tiled_attention.default,
-                          (q, k, v, key_valid, [16, 48], causal, 0.3, "cpu_flash"))
+                          (q, k, v, tags, [16, 48], causal, 0.3, "cpu_flash"))
 
 
+@pytest.mark.parametrize("padded, documents", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layout", [(1024, 128, [256, 640]), (1000, 500, [500]), (777, 100, [0, 400])])
-def test_flex_block_mask_matches_its_elements(layout, causal):
-    """The block table built from block statistics: every block holding a visible element is listed,
-    a block listed as full is fully visible, and the mask function is the oracle's visibility."""
+def test_flex_block_mask_matches_its_elements(layout, causal, padded, documents):
+    """The block table built from block statistics: every block holding a visible element is listed
+    (and only those, when no query block straddles two chunks), a block listed as full is fully
+    visible, and the mask function is the oracle's visibility."""
     from torch.nn.attention.flex_attention import create_mask
 
-    from cpcompile.kernels.attention.flex import block_mask, query_positions
+    from cpcompile.kernels.attention.flex import block_mask
+    from cpcompile.kernels.attention.layout import query_documents, query_positions, visible
 
     s_kv, chunk, starts = layout
-    key_valid = torch.rand(2, s_kv) > 0.3
-    key_valid[:, 300:560] = True
-    key_valid[1] = False
-    key_valid[1, -3:] = True
+    tags = random_tags(2, s_kv, padded=padded, documents=documents)
+    tags[0, 300:560] = tags[0, 300].abs()  # one long document of real keys: full blocks exist
     q_len = chunk * len(starts)
-    mask = block_mask(key_valid, starts, q_len, causal)
+    mask = block_mask(tags, starts, q_len, causal)
     positions = query_positions(starts, q_len, "cpu")
-    want = key_valid[:, None, None, :] & ((torch.arange(s_kv) <= positions[:, None]) if causal else True)
-    want = want.expand(2, 1, q_len, s_kv)
+    want = visible(tags, query_documents(tags, positions), positions, s_kv, causal)[:, None]
     assert torch.equal(create_mask(mask.mask_mod, 2, 1, q_len, s_kv, device="cpu"), want)
     def tiles(fill):  # [B, nq, 128, nk, 128]; rows and keys past the ends filled with `fill`
         padded = torch.nn.functional.pad(want[:, 0], (0, -s_kv % 128, 0, -q_len % 128), value=fill)
         return padded.unflatten(2, (-1, 128)).unflatten(1, (-1, 128))
 
-    listed = mask.to_dense()[:, 0].bool()
-    assert torch.equal(listed, tiles(False).any(4).any(2)), "a block with a visible element is not listed (or vice versa)"
+    listed, needed = mask.to_dense()[:, 0].bool(), tiles(False).any(4).any(2)
+    assert (listed | ~needed).all(), "a block with a visible element is not listed"
+    if len(starts) == 1 or chunk % 128 == 0:  # query blocks within one chunk: the table is tight
+        assert torch.equal(listed, needed), "a block without a visible element is listed"
     full = torch.zeros_like(listed)
     for b in range(2):
         for i in range(listed.shape[1]):
@@ -174,13 +191,15 @@ def test_gpu_kernels_bf16(kernel, heads):
     s_kv, chunk, starts = 8192, 2048, [2048, 6144]
     q, k, v = _inputs(1, *heads, chunk * len(starts), s_kv, 128, torch.bfloat16, device="cuda")
     grad_out = torch.randn(q.shape, dtype=q.dtype, device="cuda")
-    key_valid = torch.ones(1, s_kv, dtype=torch.bool, device="cuda")
-    if kernel == "flex":
-        key_valid[0, 1000:1100] = False  # padding inside a block and across blocks
-    op = _attention(starts, key_valid, kernel="flash", masked_kernel="flex") if kernel == "flex" else \
+    tags = torch.zeros(1, s_kv, dtype=torch.long)
+    if kernel == "flex":  # padding inside a block and across blocks; documents of many lengths
+        tags = random_tags(1, s_kv, padded=False, documents=True)
+        tags[0, 1000:1100] = -tags[0, 1000:1100] - 1
+    tags = tags.cuda()
+    op = _attention(starts, tags, kernel="flash", masked_kernel="flex") if kernel == "flex" else \
         _attention(starts, kernel=kernel)
     out, grads = _grads(op, q, k, v, grad_out)
-    ref, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, starts, key_valid=key_valid), q.double(),
+    ref, ref_grads = _grads(lambda q, k, v: naive_attention(q, k, v, starts, key_tags=tags), q.double(),
                             k.double(), v.double(), grad_out.double())
     bound = 1.5 * _sdpa_bf16_error(q, k, v, s_kv, chunk, starts, grad_out) + 1e-3
     errors = [_rel(out, ref)] + [_rel(g, r) for g, r in zip(grads, ref_grads)]
@@ -195,12 +214,11 @@ def test_gpu_fp32_runs_flex(padded):
     """fp32 on CUDA: FlexAttention serves unmasked and padded keys alike."""
     s_kv, chunk, starts = 2048, 512, [512, 1536]
     q, k, v = _inputs(1, 16, 4, chunk * len(starts), s_kv, 64, torch.float32, device="cuda")
-    key_valid = torch.ones(1, s_kv, dtype=torch.bool, device="cuda")
+    tags = torch.zeros(1, s_kv, dtype=torch.long, device="cuda")
     if padded:
-        key_valid[0, 100:300] = False
+        tags[0, 100:300] = -1
     assert select_kernel(q.device, q.dtype) == "flex"
-    _check(_attention(starts, key_valid), lambda q, k, v: naive_attention(q, k, v, starts, key_valid=key_valid),
-           q, k, v, 1e-3)
+    _check(_attention(starts, tags), lambda q, k, v: naive_attention(q, k, v, starts, key_tags=tags), q, k, v, 1e-3)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -225,11 +243,11 @@ def _largest_tensor(s_kv: int, padded: bool) -> int:
 
     starts = [s_kv // 4, s_kv // 2]
     q, k, v = _inputs(1, 1, 1, s_kv // 2, s_kv, 4, torch.float32)
-    key_valid = torch.rand(1, s_kv) > 0.1
+    tags = random_tags(2, s_kv, padded=True, documents=True)[:1]
     with _LargestTensor() as mode:
         if padded:
-            out, lse = tiled.forward(q, k, v, key_valid, starts, True, 0.5, "cpu_flash")
-            tiled.backward(out, q, k, v, out, lse, key_valid, starts, True, 0.5, "cpu_flash")
+            out, lse = tiled.forward(q, k, v, tags, starts, True, 0.5, "cpu_flash")
+            tiled.backward(out, q, k, v, out, lse, tags, starts, True, 0.5, "cpu_flash")
         else:
             out, lse = unmasked.forward(q, k, v, starts, True, 0.5, "cpu_flash")
             unmasked.backward(out, q, k, v, out, lse, starts, True, 0.5, "cpu_flash")

@@ -147,7 +147,7 @@ def test_dump_names_method_subgroups_and_collectives():
         hybrid = result["hybrid"]["dump"]
         assert hybrid["method"] == "hybrid" and hybrid["params"] == {"ulysses_degree": 2}
         purposes = [c["purpose"] for c in hybrid["collectives_inserted"]]
-        assert purposes == ["key padding mask", "Q @cp_ulysses", "K @cp_ulysses", "V @cp_ulysses", "K @cp_ring",
+        assert purposes == ["key padding and documents", "Q @cp_ulysses", "K @cp_ulysses", "V @cp_ulysses", "K @cp_ring",
                             "V @cp_ring", "attention output @cp_ulysses"]
         assert [c["group_size"] for c in hybrid["collectives_inserted"]] == [4, 2, 2, 2, 2, 2, 2]
         # which kernels serve the core

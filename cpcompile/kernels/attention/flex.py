@@ -1,11 +1,13 @@
 """Masked local attention on CUDA: FlexAttention with a block mask built from block statistics.
 
-A query sees key j when the key is real (`key_valid[b, j]`) and, under causality, j ≤ its global
-position. On 128 × 128 tiles that gives three kinds: invisible (skipped), fully visible (run
-without evaluating the mask) and partial (the mask is evaluated per element). They are computed
-from per-key-block "all real" / "any real" flags and each query block's lowest and highest
-position: O(S) work plus an (S_q/128) × (S_kv/128) index table, never an S_q × S_kv mask —
-`create_block_mask` would evaluate the mask on every element to find the same blocks.
+A query sees a key when the key is real, of the query's document and, under causality, not after
+it (`layout.py`). On 128 × 128 tiles that gives three kinds: invisible (skipped), fully visible
+(run without evaluating the mask) and partial (the mask is evaluated per element). They are
+computed from per-key-block statistics (all real? the range of documents of its real keys) and
+each query block's position and document ranges: O(S) work plus an (S_q/128) × (S_kv/128) index
+table, never an S_q × S_kv mask — `create_block_mask` would evaluate the mask on every element
+to find the same blocks. Documents are contiguous and numbered in sequence order, so a block's
+documents are a range and two blocks share a document exactly when their ranges overlap.
 
 FlexAttention runs fused only when compiled; `torch.compile(flex_attention)` is made once per
 process (eager flex attention falls back to a dense, quadratic path). Its backward has no CPU
@@ -19,6 +21,7 @@ import torch
 from torch import Tensor
 
 from ...collectives import contiguous_gradient
+from .layout import documents, query_documents, query_positions
 
 BLOCK = 128
 
@@ -28,11 +31,6 @@ def compiled_flex_attention():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention, dynamic=False)
-
-
-def query_positions(chunk_starts: list[int], rows: int, device) -> Tensor:
-    chunk = rows // len(chunk_starts)
-    return torch.cat([torch.arange(s, s + chunk, device=device) for s in chunk_starts])
 
 
 def _blocks_of(x: Tensor, fill, length: int) -> Tensor:
@@ -50,43 +48,57 @@ def _as_indices(blocks: Tensor) -> tuple[Tensor, Tensor]:
     return counts, order
 
 
-def block_mask(key_valid: Tensor, chunk_starts: list[int], q_len: int, causal: bool):
+def _ranges(docs: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
+    """Lowest and highest document among the `real` entries of each block (`[..., n, BLOCK]`);
+    a block with none gets an empty range (low > high)."""
+    big = torch.iinfo(docs.dtype).max
+    low = torch.where(real, docs, big).amin(-1)
+    high = torch.where(real, docs, -1).amax(-1)
+    return low, high
+
+
+def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bool):
     """The FlexAttention `BlockMask` of queries at `chunk_starts` chunks against keys `0..S_kv-1`."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    batch, kv_len = key_valid.shape
-    device = key_valid.device
+    kv_len = key_tags.shape[1]
+    device = key_tags.device
     positions = query_positions(chunk_starts, q_len, device)
-    key_blocks = _blocks_of(key_valid, False, kv_len)                        # [B, nk, BLOCK]
-    all_real, any_real = key_blocks.all(-1), key_blocks.any(-1)               # [B, nk]
-    q_blocks = _blocks_of(positions, -1, q_len)                              # [nq, BLOCK]
-    lowest = torch.where(q_blocks >= 0, q_blocks, kv_len).amin(-1)           # padding rows see nothing
-    highest = q_blocks.amax(-1)
-    first_key = torch.arange(0, all_real.shape[-1] * BLOCK, BLOCK, device=device)
+    tags = _blocks_of(key_tags, -1, kv_len)                                   # [B, nk, BLOCK], -1: padding
+    key_low, key_high = _ranges(documents(tags), tags >= 0)                    # [B, nk]
+    all_real = (tags >= 0).all(-1)
+    q_pos = _blocks_of(positions, -1, q_len)                                  # [nq, BLOCK], -1: past the end
+    q_docs = _blocks_of(query_documents(key_tags, positions), -1, q_len)      # [B, nq, BLOCK]
+    q_low, q_high = _ranges(q_docs, q_pos >= 0)                               # [B, nq]
+    first_key = torch.arange(0, tags.shape[1] * BLOCK, BLOCK, device=device)
     if causal:
+        lowest = torch.where(q_pos >= 0, q_pos, kv_len).amin(-1)
         whole = (first_key + BLOCK - 1)[None, :] <= lowest[:, None]          # [nq, nk]
-        some = first_key[None, :] <= highest[:, None]
+        some = first_key[None, :] <= q_pos.amax(-1)[:, None]
     else:
-        whole = some = torch.ones(len(lowest), len(first_key), dtype=torch.bool, device=device)
-    full = whole[None] & all_real[:, None, :]                                # [B, nq, nk]
-    partial = some[None] & any_real[:, None, :] & ~full
+        whole = some = torch.ones(q_pos.shape[0], first_key.shape[0], dtype=torch.bool, device=device)
+    one_document = (key_low == key_high)[:, None, :] & (q_low == q_high)[:, :, None] \
+        & (key_low[:, None, :] == q_low[:, :, None])                         # [B, nq, nk]
+    overlap = (key_low[:, None, :] <= q_high[:, :, None]) & (q_low[:, :, None] <= key_high[:, None, :])
+    full = whole[None] & all_real[:, None, :] & one_document
+    partial = some[None] & overlap & ~full
     # padded to whole blocks: the kernel evaluates the mask on a partial block's every element
-    valid, positions = key_blocks.flatten(-2), q_blocks.flatten()
+    flat_tags, flat_pos, flat_docs = tags.flatten(-2), q_pos.flatten(), q_docs.flatten(-2)
 
-    def visible(b, h, q_idx, kv_idx):
-        seen = valid[b, kv_idx]
-        return seen & (positions[q_idx] >= kv_idx) if causal else seen
+    def seen(b, h, q_idx, kv_idx):
+        same = flat_tags[b, kv_idx] == flat_docs[b, q_idx]
+        return same & (flat_pos[q_idx] >= kv_idx) if causal else same
 
     counts, indices = _as_indices(partial[:, None])
     full_counts, full_indices = _as_indices(full[:, None])
-    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=BLOCK, mask_mod=visible,
+    return BlockMask.from_kv_blocks(counts, indices, full_counts, full_indices, BLOCK_SIZE=BLOCK, mask_mod=seen,
                                     seq_lengths=(q_len, kv_len))
 
 
-def flex_chunk_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, chunk_starts: list[int], causal: bool,
+def flex_chunk_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
                          scale: float) -> Tensor:
     """FlexAttention under the block mask; its input gradients come back contiguous, as the custom
     ops' do (K and V come from collectives)."""
     q, k, v = (contiguous_gradient(x) for x in (q, k, v))
-    mask = block_mask(key_valid, chunk_starts, q.shape[2], causal)
+    mask = block_mask(key_tags, chunk_starts, q.shape[2], causal)
     return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

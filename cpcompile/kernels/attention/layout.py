@@ -1,6 +1,14 @@
-"""Where a rank's queries sit in the global sequence: equal chunks at given global starts."""
+"""Where a rank's queries sit in the global sequence, and which keys each may see.
+
+Queries come in equal chunks at given global starts. Keys are in global order and carry a tag
+(`key_tags [B, S_kv]`, int64): the id of the document the key belongs to when it is a real token,
+`−(id + 1)` when it is padding. An unpacked batch has one document, id 0, so its tags are 0 for
+real keys and −1 for padding. A query sees a key when the key is real, of the query's own
+document, and (if causal) not after it.
+"""
 from __future__ import annotations
 
+import torch
 from torch import Tensor
 
 
@@ -19,3 +27,32 @@ def chunk_rows(index: int, length: int) -> slice:
 def visible_keys(start: int, length: int, kv_len: int, causal: bool) -> int:
     """Keys a chunk at global `start` can see: a prefix up to its own end under causality."""
     return min(start + length, kv_len) if causal else kv_len
+
+
+def query_positions(chunk_starts: list[int], rows: int, device) -> Tensor:
+    """Global position of every local query row."""
+    chunk = rows // len(chunk_starts)
+    return torch.cat([torch.arange(s, s + chunk, device=device) for s in chunk_starts])
+
+
+def documents(key_tags: Tensor) -> Tensor:
+    """The document id of every key, real or padding."""
+    return torch.where(key_tags >= 0, key_tags, -key_tags - 1)
+
+
+def query_documents(key_tags: Tensor, positions: Tensor) -> Tensor:
+    """`[B, S_q]`: the document of each query (a query is the token at its position)."""
+    return documents(key_tags).index_select(1, positions)
+
+
+def visible(key_tags: Tensor, query_docs: Tensor, query_pos: Tensor, keys: int, causal: bool) -> Tensor:
+    """`[B, S_q, keys]` bool: which of the first `keys` keys each query sees."""
+    seen = key_tags[:, None, :keys] == query_docs[:, :, None]  # padding tags are negative: never equal
+    if causal:
+        seen = seen & (torch.arange(keys, device=key_tags.device) <= query_pos[:, None])
+    return seen
+
+
+def single_unpadded_document(key_tags: Tensor) -> bool:
+    """True when no key is padded and all belong to one document (reads one flag off the device)."""
+    return not bool(key_tags.ne(0).any())

@@ -1,17 +1,18 @@
 """`local_attention`: what a CP rank computes after its collectives, the one call the SDPA rewrites emit.
 
-    local_attention(q, k, v, key_valid, chunk_starts, causal, scale, kernel, masked_kernel) -> out
+    local_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, masked_kernel) -> out
 
 `q [B, Hq, n·c, D]` holds n equal chunks of queries; chunk i sits at global positions
 `[chunk_starts[i], chunk_starts[i] + c)` (AllGather: one chunk at r·S_local; Head-Tail: chunks r and
 2·cp−1−r; Ulysses: one chunk at 0 spanning the sequence; Hybrid: one chunk spanning its Ulysses
-group). `k, v [B, Hkv, S_kv, D]` are in global order; `key_valid [B, S_kv]` (bool) marks real keys.
-A query at position p sees key j when `key_valid[b, j]` and, if `causal`, j ≤ p.
+group). `k, v [B, Hkv, S_kv, D]` are in global order; `key_tags [B, S_kv]` (int64) says which keys
+are real and to which document each belongs (`layout.py`). A query at position p sees key j when
+j is real, of p's document, and, if `causal`, j ≤ p.
 
-Every rank has the key validity of every rank (a rank without padding of its own still attends
-to other ranks' padding), so whether a step has padded keys is read here, once per call (one
-flag read back from the device): without, `chunk_attention` runs the unmasked blocks on
-`kernel`; with, `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the tiles of
+Every rank has the key tags of every rank (a rank without padding of its own still attends to
+other ranks' padding and documents), so whether a step has padded keys or several documents is
+read here, once per call (one flag read back from the device): with one unpadded document,
+`chunk_attention` runs the unmasked blocks on `kernel`; otherwise `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the tiles of
 `tiled_attention` on a kernel that takes a mask (the CPU's). `kernel="flex"` (CUDA fp32, which
 the fused kernels with a log-sum-exp output do not take) runs FlexAttention always, reading no flag.
 
@@ -24,20 +25,17 @@ import torch
 from torch import Tensor
 
 from .flex import flex_chunk_attention
+from .layout import single_unpadded_document
 from .op import chunk_attention, tiled_attention
 
 
-def has_padding(key_valid: Tensor) -> bool:
-    return not bool(key_valid.all())
-
-
-def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, chunk_starts: list[int], causal: bool,
+def local_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
                     scale: float, kernel: str, masked_kernel: str) -> Tensor:
-    if kernel != "flex" and not torch.compiler.is_compiling() and not has_padding(key_valid):
+    if kernel != "flex" and not torch.compiler.is_compiling() and single_unpadded_document(key_tags):
         return chunk_attention(q, k, v, chunk_starts, causal, scale, kernel)[0]
     if masked_kernel == "flex":
-        return flex_chunk_attention(q, k, v, key_valid, chunk_starts, causal, scale)
-    return tiled_attention(q, k, v, key_valid, chunk_starts, causal, scale, masked_kernel)[0]
+        return flex_chunk_attention(q, k, v, key_tags, chunk_starts, causal, scale)
+    return tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, masked_kernel)[0]
 
 
 def local_attention_fake(q: Tensor, *args) -> Tensor:

@@ -4,24 +4,19 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-
-def query_positions(chunk_starts: list[int], rows: int) -> Tensor:
-    """Global position of every local query row (equal chunks at `chunk_starts`)."""
-    chunk = rows // len(chunk_starts)
-    return torch.cat([torch.arange(s, s + chunk) for s in chunk_starts])
+from .layout import query_documents, query_positions, visible
 
 
 def naive_attention(q: Tensor, k: Tensor, v: Tensor, chunk_starts: list[int], *, causal: bool = True,
-                    key_valid: Tensor | None = None, scale: float | None = None) -> Tensor:
+                    key_tags: Tensor | None = None, scale: float | None = None) -> Tensor:
     """Softmax attention with the visibility the kernels implement; rows that see nothing give 0."""
     q, k, v = q.double(), k.double(), v.double()
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    positions = query_positions(chunk_starts, q.shape[2]).to(q.device)
-    visible = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device)
-    if causal:
-        visible = torch.arange(k.shape[2], device=q.device) <= positions[:, None]
-    visible = visible[None, None] & (key_valid[:, None, None, :] if key_valid is not None else True)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    tags = key_tags if key_tags is not None else torch.zeros(k.shape[0], k.shape[2], dtype=torch.long)
+    tags = tags.to(q.device)
+    positions = query_positions(chunk_starts, q.shape[2], q.device)
+    seen = visible(tags, query_documents(tags, positions), positions, k.shape[2], causal)[:, None]
+    probs = torch.softmax(scores.masked_fill(~seen, float("-inf")), dim=-1).nan_to_num(0.0)
     return probs @ v

@@ -1,7 +1,7 @@
-"""Attention under a key-padding mask, in query tiles: each tile of `TILE` queries attends to the
-key prefix its last query can see, with an additive tile mask `[B, 1, tile, prefix]` built on the
-fly (again in backward, never saved). The largest mask is `TILE × S_kv`. A query that sees no key
-gets a zero output, as SDPA gives such a row.
+"""Attention under a mask of padded keys and documents (`layout.py`), in query tiles: each tile of
+`TILE` queries attends to the key prefix its last query can see, with an additive tile mask
+`[B, 1, tile, prefix]` built on the fly (again in backward, never saved). The largest mask is
+`TILE × S_kv`. A query that sees no key gets a zero output, as SDPA gives such a row.
 """
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from .kernels import accumulate_dtype, block_backward, block_forward, lse_dtype
-from .layout import chunk_length, visible_keys
+from .layout import chunk_length, query_documents, visible, visible_keys
 
 TILE = 512  # queries per tile
 ALIGN = 16  # mask rows start on 16-element boundaries, as SDPA pads its own masks
@@ -24,35 +24,33 @@ def tiles(chunk_starts: list[int], chunk: int, kv_len: int, causal: bool):
             yield rows, first, visible_keys(first, rows.stop - rows.start, kv_len, causal)
 
 
-def tile_mask(key_valid: Tensor, first: int, rows: int, keys: int, causal: bool, q: Tensor) -> Tensor:
+def tile_mask(key_tags: Tensor, first: int, rows: int, keys: int, causal: bool, q: Tensor) -> Tensor:
     """Additive `[B, H, rows, keys]` mask (0 visible, −inf hidden; expanded over heads), its rows
     padded to ALIGN in memory (aligned rows keep fused kernels on their fast path)."""
-    visible = key_valid[:, None, None, :keys]
-    if causal:
-        positions = torch.arange(first, first + rows, device=key_valid.device)
-        visible = visible & (torch.arange(keys, device=key_valid.device) <= positions[:, None])
+    positions = torch.arange(first, first + rows, device=key_tags.device)
+    seen = visible(key_tags, query_documents(key_tags, positions), positions, keys, causal)
     padded = -(-keys // ALIGN) * ALIGN
-    mask = torch.full((key_valid.shape[0], 1, rows, padded), float("-inf"), dtype=q.dtype, device=q.device)
-    mask[..., :keys].masked_fill_(visible.expand(-1, 1, rows, keys), 0.0)
+    mask = torch.full((key_tags.shape[0], 1, rows, padded), float("-inf"), dtype=q.dtype, device=q.device)
+    mask[..., :keys].masked_fill_(seen[:, None], 0.0)
     return mask[..., :keys].expand(-1, q.shape[1], -1, -1)
 
 
-def forward(q, k, v, key_valid, chunk_starts, causal, scale, kernel) -> tuple[Tensor, Tensor]:
+def forward(q, k, v, key_tags, chunk_starts, causal, scale, kernel) -> tuple[Tensor, Tensor]:
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q))
     for rows, first, keys in tiles(chunk_starts, chunk_length(q, chunk_starts), k.shape[2], causal):
-        mask = tile_mask(key_valid, first, rows.stop - rows.start, keys, causal, q)
+        mask = tile_mask(key_tags, first, rows.stop - rows.start, keys, causal, q)
         out[:, :, rows], lse[:, :, rows] = block_forward(kernel, q[:, :, rows], k[:, :, :keys], v[:, :, :keys],
                                                          False, scale, mask)
     return out, lse
 
 
-def backward(grad_out, q, k, v, out, lse, key_valid, chunk_starts, causal, scale, kernel):
+def backward(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale, kernel):
     dq = torch.zeros(q.shape, dtype=accumulate_dtype(q), device=q.device)
     dk = torch.zeros(k.shape, dtype=accumulate_dtype(k), device=k.device)
     dv = torch.zeros(v.shape, dtype=accumulate_dtype(v), device=v.device)
     for rows, first, keys in tiles(chunk_starts, chunk_length(q, chunk_starts), k.shape[2], causal):
-        mask = tile_mask(key_valid, first, rows.stop - rows.start, keys, causal, q)
+        mask = tile_mask(key_tags, first, rows.stop - rows.start, keys, causal, q)
         dq_t, dk_t, dv_t = block_backward(kernel, grad_out[:, :, rows], q[:, :, rows], k[:, :, :keys],
                                           v[:, :, :keys], out[:, :, rows], lse[:, :, rows].contiguous(),
                                           False, scale, mask)

@@ -39,16 +39,54 @@ def all_valid_keys(emit: Emitter, batch: int, length: int, device) -> fx.Node:
     return emit(aten.ones.default, [batch, 1, length], dtype=torch.bool, device=device)
 
 
-def gathered_key_valid(emit: Emitter, ctx: PassContext, key_valid: fx.Node) -> fx.Node:
-    """Gather local key validity `[B, 1, S_local]` into `[B, S_global]` (bool, rank order).
+def region_position_ids(gm: fx.GraphModule) -> fx.Node | None:
+    """The region's `position_ids` input, when the model passes them to its attention (Hugging Face
+    models do): local tokens' positions, restarting at 0 at each document of a packed batch."""
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and node.name == "position_ids" and isinstance(node.meta.get("val"), torch.Tensor):
+            return node
+    return None
 
-    Every rank gathers it, with or without padding of its own: Hugging Face drops the mask on a
-    rank whose shard has no padding while another rank of the batch passes one, and every rank
-    must issue the same collectives (and attend to the other ranks' padding).
+
+def gathered_key_tags(emit: Emitter, gm: fx.GraphModule, ctx: PassContext, key_valid: fx.Node,
+                      local_starts: list[int]) -> fx.Node:
+    """Every key's tag `[B, S_global]` (int64, rank order): the global position where its document
+    starts if it is real, −(that + 1) if it is padding (`kernels/attention/layout.py`).
+
+    A token's document starts at its global position minus its position id (position ids restart
+    at 0 at each document of a packed batch, and are global positions otherwise: one document,
+    starting at 0). `local_starts` are the global starts of the equal chunks this rank holds.
+    Every rank gathers the tags, with or without padding or documents of its own: Hugging Face
+    drops the mask on a rank whose shard has no padding while another rank passes one, and every
+    rank must issue the same collectives (and attend to the other ranks' padding and documents).
     """
-    as_bytes = emit(aten._to_copy.default, key_valid, dtype=torch.uint8)  # gloo has no bool
-    gathered = all_gather_sequence(emit, ctx, as_bytes, seq_dim=2, purpose="key padding mask")
-    return emit(aten.ne.Scalar, emit(aten.squeeze.dim, gathered, 1), 0)
+    valid = emit(aten.squeeze.dim, key_valid, 1)  # [B, S_local]
+    batch, length = val(valid).shape
+    document = local_documents(emit, region_position_ids(gm), ctx, local_starts, batch, length, val(valid).device)
+    padding = emit(aten.sub.Tensor, emit(aten.neg.default, document), 1)
+    tags = emit(aten.where.self, valid, document, padding)
+    gathered = all_gather_sequence(emit, ctx, emit(aten.unsqueeze.default, tags, 1), seq_dim=2,
+                                   purpose="key padding and documents")
+    return emit(aten.squeeze.dim, gathered, 1)
+
+
+def local_documents(emit: Emitter, position_ids: fx.Node | None, ctx: PassContext, local_starts: list[int],
+                    batch: int, length: int, device) -> fx.Node:
+    """`[B, S_local]` int64: where each local token's document starts (0 without position ids)."""
+    if position_ids is None:
+        return emit(aten.zeros.default, [batch, length], dtype=torch.long, device=device)
+    positions = position_ids
+    if val(positions).dim() == 3:  # multimodal rope [n, B, S]: the text positions come first
+        positions = emit(aten.select.int, positions, 0, 0)
+    if val(positions).dim() != 2 or val(positions).shape[-1] != length:
+        raise CPInputError(f"{ctx.fqn}: position_ids of shape {tuple(val(position_ids).shape)} do not match the "
+                           f"{length} local tokens; pass [B, S] position ids (cpcompile.shard_batch does)")
+    chunk = length // len(local_starts)
+    global_positions = [emit(aten.arange.start, start, start + chunk, dtype=torch.long, device=device)
+                        for start in local_starts]
+    here = global_positions[0] if len(global_positions) == 1 else emit(aten.cat.default, global_positions)
+    starts = emit(aten.sub.Tensor, here, emit(aten._to_copy.default, positions, dtype=torch.long))
+    return emit(aten.expand.default, starts, [batch, length])
 
 
 def local_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> tuple[bool, fx.Node]:
@@ -69,9 +107,9 @@ def local_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx:
 
 
 def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, query: fx.Node, key: fx.Node,
-                         value: fx.Node, key_valid: fx.Node, chunk_starts: list[int], causal: bool) -> fx.Node:
+                         value: fx.Node, key_tags: fx.Node, chunk_starts: list[int], causal: bool) -> fx.Node:
     """The attention a rank computes after its collectives (`kernels.attention.local_attention`):
-    `query` in equal chunks at global `chunk_starts`, `key`/`value` and `key_valid [B, S]` in
+    `query` in equal chunks at global `chunk_starts`, `key`/`value` and `key_tags [B, S]` in
     global order. The kernels are chosen here, from the traced device and dtype, and named in the
     dump; nothing `[S_q, S_kv]` is built."""
     if match.dropout_p:
@@ -81,7 +119,7 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
     kernel = select_kernel(q.device, q.dtype)
     masked_kernel = select_kernel(q.device, q.dtype, masked=True)
     scale = match.scale if match.scale is not None else q.shape[-1] ** -0.5
-    note_once(ctx, f"local attention: {kernel} blocks (no padded key), {masked_kernel} with padded keys; "
-                   "nothing S_q x S_kv")
-    return emit.core(local_attention, query, key, value, key_valid, list(chunk_starts), causal, float(scale), kernel,
+    note_once(ctx, f"local attention: {kernel} blocks (one unpadded document), {masked_kernel} with padded keys "
+                   "or documents; nothing S_q x S_kv")
+    return emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
                      masked_kernel, fake=local_attention_fake)

@@ -16,7 +16,7 @@ from ...errors import CPInputError
 from ...methods import register_method
 from ..comm import CommGroup, all_gather_sequence, all_to_all, cp_group, note_once
 from ..graph_utils import Emitter, val
-from .fragments import check_self_attention, emit_local_attention, gathered_key_valid, local_key_validity
+from .fragments import check_self_attention, emit_local_attention, gathered_key_tags, local_key_validity
 from .match import SdpaMatch, sdpa_method
 
 aten = torch.ops.aten
@@ -41,8 +41,9 @@ def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext
     local_len, _ = check_self_attention(match, ctx)
     local_key, local_value, _ = match.unrepeated_kv()
     replicas = kv_replicas(ctx, label, heads.size, val(match.query).shape[HEAD_DIM], val(local_key).shape[HEAD_DIM])
-    causal, key_valid = local_key_validity(emit, gm, match, ctx)
-    key_valid = gathered_key_valid(emit, ctx, key_valid)  # first: it needs no projection, they run under it
+    causal, local_valid = local_key_validity(emit, gm, match, ctx)
+    # first: it needs no projection, they run under it
+    key_tags = gathered_key_tags(emit, gm, ctx, local_valid, [ctx.cp_rank * local_len])
     query = seq_to_heads(emit, ctx, match.query, heads, "Q")
     key = seq_to_heads(emit, ctx, replicate_heads(emit, local_key, replicas), heads, "K")
     value = seq_to_heads(emit, ctx, replicate_heads(emit, local_value, replicas), heads, "V")
@@ -50,7 +51,7 @@ def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext
         key = all_gather_sequence(emit, ctx, key, SEQ_DIM, "K", group=keys)
         value = all_gather_sequence(emit, ctx, value, SEQ_DIM, "V", group=keys)
     span = local_len * heads.size  # the queries: one chunk of the group's span, at g·span
-    output = emit_local_attention(emit, ctx, match, query, key, value, key_valid,
+    output = emit_local_attention(emit, ctx, match, query, key, value, key_tags,
                                   [(ctx.cp_rank // heads.size) * span], causal)
     match.replace_with(gm, heads_to_seq(emit, ctx, output, heads, "attention output"))
     ctx.cores_rewritten += 1
