@@ -3,10 +3,13 @@
 Everything that depends on the whole sequence is computed on the global batch, before any
 slicing, so no rank ever has to guess what lies beyond its own slice:
 
-1. validate keys (packed/varlen metadata, inference cache and unknown tensors are refused);
-2. global ``position_ids`` (created as ``arange(S)`` when absent);
-3. global next-token targets ``shift_labels`` (``labels[:, 1:]`` + one ``-100``; labels are
-   taken as given, as Hugging Face does at CP=1), and ``num_items_in_batch`` = global target count;
+1. validate keys (varlen metadata other than ``cu_seq_lens``, inference cache and unknown tensors
+   are refused);
+2. global ``position_ids`` (created as ``arange(S)`` when absent, or from ``cu_seq_lens``);
+   restarts at 0 mark packed documents (`cpcompile.documents`);
+3. global next-token targets ``shift_labels`` (``labels[:, 1:]`` + one ``-100``, and ``-100`` at the
+   last token of every packed document; labels are otherwise taken as given, as Hugging Face does
+   at CP=1), and ``num_items_in_batch`` = global target count;
 4. right padding to the layout's multiple (only with ``pad=True``);
 5. slicing along the sequence by the method's layout (contiguous or Head-Tail).
 
@@ -19,6 +22,7 @@ from typing import Any, Mapping
 
 import torch
 
+from .documents import end_documents, is_packed, positions_from_cu_seq_lens
 from .errors import CPConfigError, CPInputError
 from .methods import CONTIGUOUS, HEAD_TAIL
 
@@ -51,13 +55,14 @@ _REJECT_REASONS = {
     "logits_to_keep": "CP training needs logits for every token (logits_to_keep=0)",
     "is_causal": "CP attention rewrites assume causal attention",
     "cache_position": "cache_position is inference metadata; shard_batch supplies global position_ids",
-    "cu_seq_lens_q": "packed/varlen batches are not supported with CP yet",
-    "cu_seq_lens_k": "packed/varlen batches are not supported with CP yet",
-    "max_length_q": "packed/varlen batches are not supported with CP yet",
-    "max_length_k": "packed/varlen batches are not supported with CP yet",
-    "seq_idx": "packed/varlen batches are not supported with CP yet",
+    "cu_seq_lens_q": "pass a packed batch as position_ids restarting at 0 per document, or as cu_seq_lens",
+    "cu_seq_lens_k": "pass a packed batch as position_ids restarting at 0 per document, or as cu_seq_lens",
+    "max_length_q": "shard_batch derives what CP needs of a packed batch from its position ids",
+    "max_length_k": "shard_batch derives what CP needs of a packed batch from its position ids",
+    "seq_idx": "pass a packed batch as position_ids restarting at 0 per document, or as cu_seq_lens",
 }
-ALLOWED_KEYS = frozenset(_SEQ_DIM) | PASSTHROUGH_KEYS | frozenset(_HARMLESS_VALUES)
+PACKING_KEYS = frozenset({"cu_seq_lens"})  # consumed by shard_batch: it becomes position ids
+ALLOWED_KEYS = frozenset(_SEQ_DIM) | PASSTHROUGH_KEYS | frozenset(_HARMLESS_VALUES) | PACKING_KEYS
 
 
 # ----------------------------------------------------------------------------- layouts
@@ -185,25 +190,6 @@ def _check_field_shapes(batch: Mapping[str, Any], bsz: int, seq_len: int) -> Non
             )
 
 
-def _check_not_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> None:
-    """Refuse position ids that restart inside a row (packed sequences), a cheap O(B*S) check.
-
-    Only consecutive *real* tokens are compared, so padding may carry any position value.
-    Multimodal-rope [n, B, S] ids are not checked (their steps are not 1 across image tokens).
-    """
-    if position_ids.dim() != 2 or position_ids.shape[-1] < 2:
-        return
-    step_ok = (position_ids[:, 1:] - position_ids[:, :-1]) == 1
-    if mask is not None:
-        both_real = mask[:, 1:].bool() & mask[:, :-1].bool()
-        step_ok = step_ok | ~both_real
-    if not bool(step_ok.all()):
-        raise CPInputError(
-            "shard_batch: 'position_ids' do not increase by 1 between consecutive tokens of a row "
-            "(packed sequences?); packed/varlen batches are not supported with CP yet"
-        )
-
-
 # ----------------------------------------------------------------------------- global fields
 
 
@@ -267,9 +253,16 @@ def shard_batch(
     position ids continuing each row, and ``attention_mask`` with 0 (none is created when the
     user gave none: right padding is causally invisible to real tokens).
 
-    Head-Tail without a user mask gets an all-ones ``attention_mask``: transformers would read the
-    jump in position ids between a rank's two chunks as two packed documents and build a
-    ``[B, 1, S_local, S_local]`` mask; with an all-ones padding mask it passes no mask at all.
+    Packed documents (`cpcompile.documents`): ``position_ids`` restarting at 0 at every document,
+    or ``cu_seq_lens`` with one row (turned into such position ids). The last token of every
+    document predicts nothing (its ``shift_labels`` entry is -100), documents may cross rank
+    boundaries, and the SDPA rewrites attend within documents only; GDN plans refuse them (not
+    supported yet), and a packed batch cannot also carry padding.
+
+    Head-Tail, or a packed batch, without a user mask gets an all-ones ``attention_mask`` when
+    cp > 1: transformers would read the jumps in the local position ids as packed documents of its
+    own and build a ``[B, 1, S_local, S_local]`` mask; with an all-ones padding mask it passes no
+    mask at all, and the rewrite reads the documents from the position ids.
     """
     _check_keys(global_batch)
     cp_size, cp_rank, layout = _batch_layout(mesh, plan)
@@ -282,10 +275,15 @@ def shard_batch(
     main = fields.get("input_ids", fields.get("inputs_embeds"))
     mask = fields.get("attention_mask")
 
-    if "position_ids" in fields:
-        _check_not_packed(fields["position_ids"], mask)
-    else:
+    if global_batch.get("cu_seq_lens") is not None:
+        if "position_ids" in fields:
+            raise CPInputError("shard_batch: give a packed batch as 'position_ids' or as 'cu_seq_lens', not both")
+        fields["position_ids"] = positions_from_cu_seq_lens(global_batch["cu_seq_lens"], bsz, seq_len).to(main.device)
+    if "position_ids" not in fields:
         fields["position_ids"] = torch.arange(seq_len, device=main.device).unsqueeze(0).expand(bsz, -1)
+    packed = is_packed(fields["position_ids"], mask)
+    if packed:
+        _check_packing_supported(plan, cp_size)
 
     num_items = global_batch.get("num_items_in_batch")
     if "labels" in fields or "shift_labels" in fields:
@@ -293,6 +291,8 @@ def shard_batch(
             shifted = global_shift_labels(fields["shift_labels"], already_shifted=True)
         else:
             shifted = global_shift_labels(fields["labels"])
+        if packed:
+            shifted = end_documents(shifted, fields["position_ids"])
         fields["shift_labels"] = shifted
         # HF only computes a loss when `labels` is given; it then reads `shift_labels`.
         fields.setdefault("labels", shifted)
@@ -316,7 +316,7 @@ def shard_batch(
             dim = _SEQ_DIM[key] % tensor.dim()
             tensor = tensor.index_select(dim, index.to(tensor.device))
         local[key] = tensor
-    if layout == HEAD_TAIL and cp_size > 1 and "attention_mask" not in local:
+    if (layout == HEAD_TAIL or packed) and cp_size > 1 and "attention_mask" not in local:
         local["attention_mask"] = torch.ones(bsz, seq_len // cp_size, dtype=torch.long, device=main.device)
     for key in PASSTHROUGH_KEYS:
         if key in global_batch and key != "num_items_in_batch":
@@ -325,6 +325,18 @@ def shard_batch(
         local["num_items_in_batch"] = num_items
     local["use_cache"] = False
     return local
+
+
+def _check_packing_supported(plan: Any, cp_size: int) -> None:
+    """Packed documents reach the SDPA rewrites through the attention's position ids; the GDN
+    rewrites cannot tell documents apart yet, so a plan with a GDN method refuses them."""
+    if cp_size == 1 or plan is None:
+        return
+    gdn = [o for o in plan.active_overrides() if o.method is not None and o.method.core == "gdn"]
+    if gdn:
+        raise CPInputError(f"shard_batch: packed documents are not supported by GDN context parallelism yet "
+                           f"({gdn[0].field('inner_wrapper')}: {gdn[0].method.describe()}); the SDPA methods "
+                           "support them")
 
 
 def _pad_fields(fields: dict[str, torch.Tensor], extra: int, pad_token_id: int) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ import types
 
 import pytest
 import torch
+
+from cpcompile.errors import CPInputError
 import torch.distributed as dist
 
 from cpcompile.batch import (
@@ -220,11 +222,52 @@ def test_rejected_keys_are_named(key, value):
         assert "Allowed keys" in str(err.value) and "position_ids" in str(err.value)
 
 
-def test_packed_position_ids_are_refused():
-    batch = _batch(1, 8)
-    batch["position_ids"] = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])
-    with pytest.raises(ValueError, match="position_ids.*packed"):
-        shard_batch(batch, _mesh(2, 0), _plan(CONTIGUOUS, 2))
+PACKED = [[0, 1, 2, 0, 1, 2, 3, 4, 0, 1, 0, 1]]  # documents of 3, 5, 2 and 2 tokens
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_packed_documents_end_their_targets_and_keep_their_positions(layout):
+    batch = _batch(1, 12)
+    batch["position_ids"] = torch.tensor(PACKED)
+    locals_ = _all_local(batch, 2, layout)
+    assert _reassemble(locals_, "position_ids", 2, layout).tolist() == PACKED
+    targets = _reassemble(locals_, "shift_labels", 2, layout)[0]
+    ends = [2, 7, 9, 11]  # a document's last token predicts nothing
+    assert all(targets[i] == -100 for i in ends)
+    assert targets[[0, 1, 3, 8, 10]].tolist() == batch["labels"][0, [1, 2, 4, 9, 11]].tolist()
+    assert all(loc["num_items_in_batch"].item() == 12 - len(ends) for loc in locals_)
+    # an all-ones mask keeps transformers from building its own local document mask
+    assert all((loc["attention_mask"] == 1).all() for loc in locals_)
+
+
+def test_cu_seq_lens_is_the_same_packed_batch():
+    batch = _batch(1, 12)
+    via_positions = shard_batch({**batch, "position_ids": torch.tensor(PACKED)}, _mesh(2, 1), _plan(CONTIGUOUS, 2))
+    via_lengths = shard_batch({**batch, "cu_seq_lens": torch.tensor([0, 3, 8, 10, 12])}, _mesh(2, 1),
+                              _plan(CONTIGUOUS, 2))
+    assert set(via_lengths) == set(via_positions) and "cu_seq_lens" not in via_lengths
+    for key, value in via_positions.items():
+        assert torch.equal(torch.as_tensor(value), torch.as_tensor(via_lengths[key])), key
+
+
+@pytest.mark.parametrize("bad, words", [
+    ({"position_ids": torch.tensor([[0, 1, 2, 5, 6, 7, 8, 9, 0, 1, 0, 1]])}, "restart at 0"),
+    ({"position_ids": torch.tensor([[1, 2, 3, 0, 1, 2, 3, 4, 0, 1, 0, 1]])}, "first token"),
+    ({"position_ids": torch.tensor(PACKED), "attention_mask": torch.tensor([[1] * 11 + [0]])}, "padding"),
+    ({"cu_seq_lens": torch.tensor([0, 3, 3, 12])}, "rise strictly"),
+    ({"cu_seq_lens": torch.tensor([0, 3, 8]), "position_ids": torch.tensor(PACKED)}, "not both"),
+    ({"cu_seq_lens_q": torch.tensor([0, 3, 12])}, "cu_seq_lens"),
+])
+def test_malformed_packing_is_refused(bad, words):
+    with pytest.raises(CPInputError, match=words):
+        shard_batch({**_batch(1, 12), **bad}, _mesh(2, 0), _plan(CONTIGUOUS, 2))
+
+
+def test_gdn_plans_refuse_packed_documents():
+    gdn = _override("layers.*.linear_attn", CPMethod("p2p", "gdn", "qwen3_5_gdn_p2p_cp_wrapper"))
+    with pytest.raises(CPInputError, match="GDN.*packed|packed.*GDN"):
+        shard_batch({**_batch(1, 12), "position_ids": torch.tensor(PACKED)}, _mesh(2, 0),
+                    _plan(CONTIGUOUS, 2, extra=[gdn]))
 
 
 def test_harmless_flags_pass_through():

@@ -1,0 +1,63 @@
+"""Packed sequences: several documents in one row, told apart by position ids restarting at 0.
+
+The batch contract (`shard_batch`) accepts a packed batch as `position_ids` that restart at 0 at
+every document (any batch size), or as `cu_seq_lens` — the cumulative document lengths
+`[0, l_1, l_1 + l_2, …, S]` — with one row. Everything CP needs follows from the position ids: a
+token's document starts at its global position minus its position id, which is how the SDPA
+rewrites tell documents apart (`passes/sdpa/fragments.gathered_key_tags`), and a document's last
+token predicts nothing (`end_documents`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .errors import CPInputError
+
+IGNORE_INDEX = -100
+
+
+def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+    """`[1, S]` position ids restarting at each document start of `cu_seq_lens`."""
+    bounds = torch.as_tensor(cu_seq_lens).flatten().long()
+    if batch != 1:
+        raise CPInputError(f"shard_batch: 'cu_seq_lens' describes one packed row, but the batch has {batch} rows; "
+                           "pass position_ids restarting at 0 at each document instead")
+    if bounds.numel() < 2 or bounds[0] != 0 or bounds[-1] != seq_len or bool((bounds[1:] <= bounds[:-1]).any()):
+        raise CPInputError(f"shard_batch: 'cu_seq_lens' must rise strictly from 0 to the sequence length {seq_len}, "
+                           f"got {bounds.tolist()[:8]}{'...' if bounds.numel() > 8 else ''}")
+    positions = torch.arange(seq_len, device=bounds.device)
+    starts = torch.zeros(seq_len, dtype=torch.long, device=bounds.device)
+    starts[bounds[:-1]] = bounds[:-1]
+    return (positions - starts.cummax(0).values).unsqueeze(0)
+
+
+def is_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the rows hold several documents; refuse position ids that are neither one run of
+    consecutive numbers nor runs restarting at 0. Cheap: O(B·S), on the global batch.
+
+    Only consecutive *real* tokens are compared (padding may carry any position value), and
+    multimodal-rope `[n, B, S]` ids are not checked (their steps are not 1 across image tokens).
+    """
+    if position_ids.dim() != 2 or position_ids.shape[-1] < 2:
+        return False
+    step = position_ids[:, 1:] - position_ids[:, :-1]
+    restart = position_ids[:, 1:] == 0
+    ignored = ~(mask[:, 1:].bool() & mask[:, :-1].bool()) if mask is not None else torch.zeros_like(restart)
+    if not bool(((step == 1) | restart | ignored).all()):
+        raise CPInputError("shard_batch: 'position_ids' must increase by 1 between consecutive tokens, or restart "
+                           "at 0 where a packed document starts")
+    packed = bool((restart & ~ignored).any())
+    if packed and mask is not None and not bool(mask.bool().all()):
+        raise CPInputError("shard_batch: a packed batch cannot also carry padding (attention_mask with zeros); "
+                           "pack the padding as a document of its own, with labels -100")
+    if packed and not bool((position_ids[:, 0] == 0).all()):
+        raise CPInputError("shard_batch: a packed row must start a document (position id 0) at its first token")
+    return packed
+
+
+def end_documents(shifted_labels: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+    """Next-token targets with the last token of every document predicting nothing (-100): its
+    successor starts the next document."""
+    ends = torch.zeros_like(shifted_labels, dtype=torch.bool)
+    ends[:, :-1] = (position_ids[..., 1:] == 0).expand_as(ends[:, :-1])
+    return shifted_labels.masked_fill(ends, IGNORE_INDEX)
