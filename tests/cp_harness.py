@@ -8,6 +8,8 @@ over the CP group), so the test can assert on them.
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 import cpcompile
 
@@ -214,3 +216,16 @@ def outcome_of(fn):
     except Exception as exc:
         return type(exc).__name__, str(exc)
     return None
+
+
+class LargestTensor(TorchDispatchMode):
+    """Records the largest tensor any op produces while active (for the nothing-quadratic checks)."""
+
+    def __init__(self):
+        super().__init__()
+        self.numel = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.numel = max([self.numel] + [x.numel() for x in tree_leaves(out) if isinstance(x, torch.Tensor)])
+        return out

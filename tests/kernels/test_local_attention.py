@@ -9,9 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
+from cp_harness import LargestTensor
 from cpcompile.kernels.attention import local_attention, select_kernel
 from cpcompile.kernels.attention.naive import naive_attention
 
@@ -221,21 +220,6 @@ def test_gpu_fp32_runs_flex(padded):
     _check(_attention(starts, tags), lambda q, k, v: naive_attention(q, k, v, starts, key_tags=tags), q, k, v, 1e-3)
 
 
-class _LargestTensor(TorchDispatchMode):
-    """Records the largest tensor any aten op produces."""
-
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for x in tree_leaves(out):
-            if isinstance(x, torch.Tensor):
-                self.numel = max(self.numel, x.numel())
-        return out
-
-
 def _largest_tensor(s_kv: int, padded: bool) -> int:
     """Largest tensor of one forward + backward of the op's implementation (its own aten calls) for
     a Head-Tail-like rank: two chunks of S/4 queries against S keys, one head of width 4."""
@@ -244,7 +228,7 @@ def _largest_tensor(s_kv: int, padded: bool) -> int:
     starts = [s_kv // 4, s_kv // 2]
     q, k, v = _inputs(1, 1, 1, s_kv // 2, s_kv, 4, torch.float32)
     tags = random_tags(2, s_kv, padded=True, documents=True)[:1]
-    with _LargestTensor() as mode:
+    with LargestTensor() as mode:
         if padded:
             out, lse = tiled.forward(q, k, v, tags, starts, True, 0.5, "cpu_flash")
             tiled.backward(out, q, k, v, out, lse, tags, starts, True, 0.5, "cpu_flash")

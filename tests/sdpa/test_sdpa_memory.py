@@ -12,10 +12,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
-from cp_harness import HEAD_TAIL_WRAPPER, VOCAB, hybrid_wrapper, method_wrapper, random_batch, sdpa_plan
+from cp_harness import HEAD_TAIL_WRAPPER, VOCAB, LargestTensor, hybrid_wrapper, method_wrapper, random_batch, sdpa_plan
 from dist_utils import run_distributed
 
 WORLD = 4
@@ -25,17 +23,6 @@ METHODS = {
     "async_ulysses": method_wrapper("ulysses", True), "async_hybrid": method_wrapper("hybrid", True),
 }
 LOCAL = (512, 1024)  # local lengths: global 2048 and 4096 tokens
-
-
-class LargestTensor(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.numel = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.numel = max([self.numel] + [x.numel() for x in tree_leaves(out) if isinstance(x, torch.Tensor)])
-        return out
 
 
 def _tiny_qwen3():
