@@ -16,8 +16,38 @@ Each class also derives from the builtin a caller would catch for it, so `except
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a
 wrong argument type stays `TypeError`.
+
+A value shown in a message goes through `short_repr`, so an error never grows with its input (a
+plan value may be a huge or deeply shared structure); `PlanError` also clips its field and reason.
 """
 from __future__ import annotations
+
+import reprlib
+
+MAX_VALUE_CHARS = 200  # one value shown in a message
+MAX_MESSAGE_CHARS = 2000  # a whole PlanError reason
+
+_BOUNDED = reprlib.Repr()  # reprlib stops at a depth and a width, so huge inputs cost little
+_BOUNDED.maxlevel, _BOUNDED.maxstring, _BOUNDED.maxother, _BOUNDED.maxlong = 2, 80, 80, 40
+
+
+def clip(text: str, limit: int) -> str:
+    """`text`, cut to about `limit` characters with a note of how much was left out."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 32, 0)
+    return f"{text[:keep]}... ({len(text) - keep} more characters)"
+
+
+def short_repr(value: object, limit: int = MAX_VALUE_CHARS) -> str:
+    """`repr(value)` for an error message: bounded in size and cost, whatever `value` holds."""
+    try:
+        text = _BOUNDED.repr(value)
+    except ValueError:  # an int too long to print (sys.set_int_max_str_digits)
+        text = f"<{type(value).__name__} of {value.bit_length()} bits>" if isinstance(value, int) else "<?>"
+    except Exception:  # a broken __repr__ must not hide the error being reported
+        text = f"<{type(value).__name__} object>"
+    return clip(text, limit)
 
 
 class CPCompileError(Exception):
@@ -28,9 +58,9 @@ class PlanError(CPCompileError, ValueError):
     """A plan field is invalid. `field` is its path (``plan_overrides[1].when``), `reason` why."""
 
     def __init__(self, field: str, reason: str):
-        self.field = field
-        self.reason = reason
-        super().__init__(f"{field}: {reason}")
+        self.field = clip(str(field), MAX_VALUE_CHARS)
+        self.reason = clip(str(reason), MAX_MESSAGE_CHARS)
+        super().__init__(f"{self.field}: {self.reason}")
 
     def __reduce__(self):  # keep it picklable across processes despite the 2-argument __init__
         return (type(self), (self.field, self.reason))

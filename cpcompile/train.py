@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from .batch import shard_batch
-from .errors import PlanError
+from .errors import PlanError, short_repr
 from .pipeline import compile as cp_compile
 from .loss import all_reduce_gradients
 from .mesh import build_mesh
@@ -60,11 +60,11 @@ class TrainSettings:
             check_size(f"train.{name}", getattr(self, name))
         if isinstance(self.lr, bool) or not isinstance(self.lr, (int, float)) or self.lr <= 0:
             hint = " (YAML reads 1e-3 as a string: write 1.0e-3)" if isinstance(self.lr, str) else ""
-            raise PlanError("train.lr", f"must be a positive number, got {self.lr!r}{hint}")
+            raise PlanError("train.lr", f"must be a positive number, got {short_repr(self.lr)}{hint}")
         if self.dtype not in DTYPES:
-            raise PlanError("train.dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+            raise PlanError("train.dtype", f"must be one of {sorted(DTYPES)}, got {short_repr(self.dtype)}")
         if self.device not in ("cpu", "cuda", "npu"):
-            raise PlanError("train.device", f"must be cpu, cuda or npu, got {self.device!r}")
+            raise PlanError("train.device", f"must be cpu, cuda or npu, got {short_repr(self.device)}")
         return self
 
 
