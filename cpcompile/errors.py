@@ -13,6 +13,8 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | `UnsupportedError` | NotImplementedError | a combination not supported yet (TP/PP/EP with CP), or no registered method |
 | `AlreadyCompiledError` | RuntimeError | a module is compiled a second time |
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
+| `VerificationError` | RuntimeError | a CP run's result differs from its reference beyond the stated tolerance (`cpcompile train`, `verify: true`) |
+| `MissingDependencyError` | ImportError | a package a feature needs is not installed; the message names the pip extra |
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a
 wrong argument type stays `TypeError`.
@@ -104,3 +106,12 @@ class GDNCapabilityError(CPCompileError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.capability, self.reason))
+
+
+class VerificationError(CPCompileError, RuntimeError):
+    """A CP run checked against its reference (`cpcompile train` with `verify: true`) differs by
+    more than its tolerance; the message says where and by how much."""
+
+
+class MissingDependencyError(CPCompileError, ImportError):
+    """A package a feature needs is not installed; the message names the extra that brings it."""
