@@ -133,3 +133,21 @@ def test_cli_reports_a_bad_config_without_a_traceback(tmp_path):
                          timeout=120, cwd=ROOT)
     assert res.returncode == 2 and res.stderr == "cpcompile train: error: train.steps: must be an integer >= 1, got -1\n", \
         res.stderr
+
+
+@pytest.mark.parametrize("record, dtype, fails", [
+    ({"loss": 2.0001, "reference_loss": 2.0}, "float32", False),  # 5e-5 relative: within 1e-4
+    ({"loss": 2.001, "reference_loss": 2.0}, "float32", True),  # 5e-4
+    ({"loss": float("nan"), "reference_loss": 2.0}, "float32", True),
+    ({"loss": 2.002, "reference_loss": 2.003, "fp32_reference_loss": 2.0}, "bfloat16", False),  # 1e-3 vs 1.5e-3
+    ({"loss": 2.01, "reference_loss": 2.001, "fp32_reference_loss": 2.0}, "bfloat16", True),  # 5e-3 vs 5e-4
+])
+def test_verify_judges_each_step(record, dtype, fails):
+    """fp32: within train.verify_rtol of the unrewritten copy; bf16: against the fp32 copy, within
+    1.5x the bf16 copy's error + 1e-3 (cpcompile/parity.py)."""
+    from cpcompile.train import TrainSettings, _step_failure
+
+    failure = _step_failure({"step": 3, **record}, TrainSettings(dtype=dtype, verify=True), cp_size=2)
+    assert (failure is not None) == fails, failure
+    if fails:
+        assert failure.startswith("train.verify: step 3: ") and "\n" not in failure
