@@ -6,14 +6,14 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | class | builtin | raised when |
 |---|---|---|
 | `PlanError` | ValueError | a plan field is invalid; `field` is its path, `reason` why |
-| `CPConfigError` | ValueError | the plan does not fit the job: world size, mesh, cp size, sub-groups; a `dump_dir` that cannot be written |
+| `CPConfigError` | ValueError | the plan does not fit the job (world size, mesh, cp size, sub-groups); an unwritable `dump_dir` |
 | `CoverageError` | ValueError | an attention core lies in no region, or a region runs no core of its method's kind |
 | `CPInputError` | ValueError | a model, call, batch, wrapper parameter or kernel input CP cannot serve |
 | `UnsupportedMaskError` | ValueError | an attention mask other than causal∧key-padding or key-padding alone |
 | `UnsupportedError` | NotImplementedError | a combination not supported yet (TP/PP/EP with CP), or no registered method |
 | `AlreadyCompiledError` | RuntimeError | a module is compiled a second time |
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
-| `VerificationError` | RuntimeError | a CP run's result differs from its reference beyond the stated tolerance (`cpcompile train`, `verify: true`) |
+| `VerificationError` | RuntimeError | a CP run differs from its reference beyond its tolerance (`train` with `verify: true`) |
 | `MissingDependencyError` | ImportError | a package a feature needs is not installed; the message names the pip extra |
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a

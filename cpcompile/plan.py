@@ -266,7 +266,8 @@ def read_yaml(path: "str | os.PathLike") -> Any:
     with open(path, "rb") as f:
         data = f.read(MAX_YAML_BYTES + 1)
     if len(data) > MAX_YAML_BYTES:
-        raise PlanError(field, f"the file is larger than {MAX_YAML_BYTES} bytes; a plan or train config is a few hundred")
+        raise PlanError(field, f"the file is larger than {MAX_YAML_BYTES} bytes; "
+                               "a plan or train config is a few hundred")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -510,7 +511,8 @@ def _check_inner_target(path: str, value: Any) -> None:
         return
     parts = value.split(".")
     if not all(p and (p.isidentifier() or p.isdigit()) for p in parts):
-        raise PlanError(path, f"must be 'self' or a dotted submodule path like 'core_attention', got {short_repr(value)}")
+        raise PlanError(path, "must be 'self' or a dotted submodule path like 'core_attention', "
+                              f"got {short_repr(value)}")
 
 
 def _check_local_compute_fn(path: str, value: Any) -> None:

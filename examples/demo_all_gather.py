@@ -57,7 +57,8 @@ def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def worst_gradient(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[float, str]:
     """The largest relative gradient error over all parameters, and that parameter's name."""
-    return max((rel_error(p.grad, q.grad), name) for (name, p), q in zip(model.named_parameters(), reference.parameters()))
+    pairs = zip(model.named_parameters(), reference.parameters())
+    return max((rel_error(p.grad, q.grad), name) for (name, p), q in pairs)
 
 
 def shown(path: str) -> str:

@@ -78,12 +78,14 @@ def test_a_verify_run_off_its_reference_fails_loudly(tmp_path):
 
 
 def _plain_python(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 
 def test_without_torchrun_the_cli_says_how_to_launch(tmp_path):
-    res = _plain_python(f"import sys; from cpcompile.cli import main; sys.exit(main(['train', {_config_file(tmp_path)!r}]))")
+    path = _config_file(tmp_path)
+    res = _plain_python(f"import sys; from cpcompile.cli import main; sys.exit(main(['train', {path!r}]))")
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.count("\n") == 1 and "accelerator.cp_size" in res.stderr, res.stderr[-3000:]
     assert "torchrun --nproc-per-node 2" in res.stderr, res.stderr

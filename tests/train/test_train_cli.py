@@ -131,8 +131,8 @@ def test_cli_reports_a_bad_config_without_a_traceback(tmp_path):
     path.write_text("model: {model_type: qwen3_5_text}\ntrain: {steps: -1}\naccelerator: {cp_size: 2}\n")
     res = subprocess.run([sys.executable, "-m", "cpcompile", "train", str(path)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
-    assert res.returncode == 2 and res.stderr == "cpcompile train: error: train.steps: must be an integer >= 1, got -1\n", \
-        res.stderr
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == "cpcompile train: error: train.steps: must be an integer >= 1, got -1\n", res.stderr
 
 
 @pytest.mark.parametrize("record, dtype, fails", [
