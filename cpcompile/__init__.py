@@ -8,19 +8,20 @@
 """
 from .batch import shard_batch, unshard
 from .errors import (
-    AlreadyCompiledError, CoverageError, CPCompileError, CPConfigError, CPInputError, GDNCapabilityError, PlanError,
-    UnsupportedError, UnsupportedMaskError,
+    AlreadyCompiledError, CoverageError, CPCompileError, CPConfigError, CPInputError, GDNCapabilityError,
+    MissingDependencyError, PlanError, UnsupportedError, UnsupportedMaskError, VerificationError,
 )
 from .loss import all_reduce_gradients, global_mean_loss
 from .mesh import CPMesh, build_mesh
-from .methods import CPMethod, inner_wrapper, register_inner_wrapper
+from .methods import CPMethod, allow_wrapper_module, inner_wrapper, register_inner_wrapper
 from .pipeline import compile
 from .plan import AcceleratorConfig, Override, Plan, load_plan
 
 __all__ = [
     "AcceleratorConfig", "AlreadyCompiledError", "CPCompileError", "CPConfigError", "CPInputError", "CPMesh",
-    "CPMethod", "CoverageError", "GDNCapabilityError", "Override", "Plan", "PlanError", "UnsupportedError",
-    "UnsupportedMaskError", "all_reduce_gradients", "build_mesh", "compile", "global_mean_loss", "inner_wrapper",
-    "load_plan", "register_inner_wrapper", "shard_batch", "unshard",
+    "CPMethod", "CoverageError", "GDNCapabilityError", "MissingDependencyError", "Override", "Plan", "PlanError",
+    "UnsupportedError", "UnsupportedMaskError", "VerificationError", "all_reduce_gradients", "allow_wrapper_module",
+    "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "register_inner_wrapper",
+    "shard_batch", "unshard",
 ]
 __version__ = "0.1.0"

@@ -18,6 +18,7 @@ process group; `unshard` is their distributed inverse.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Mapping
 
 import torch
@@ -25,6 +26,7 @@ import torch
 from .documents import end_documents, is_packed, positions_from_cu_seq_lens
 from .errors import CPConfigError, CPInputError
 from .methods import CONTIGUOUS, HEAD_TAIL
+from .plan import load_plan
 
 IGNORE_INDEX = -100
 
@@ -123,7 +125,15 @@ def _cp_size_and_rank(mesh: Any) -> tuple[int, int]:
     return int(mesh.cp_size), int(mesh.cp_rank)
 
 
+def _as_plan(plan: Any) -> Any:
+    """A plan in any form `compile` takes (a YAML path, a dict or a `Plan`), loaded; None stays None."""
+    if isinstance(plan, (Mapping, str, os.PathLike)):
+        return load_plan(plan)
+    return plan
+
+
 def _batch_layout(mesh: Any, plan: Any) -> tuple[int, int, str]:
+    plan = _as_plan(plan)
     cp_size, cp_rank = _cp_size_and_rank(mesh)
     plan_cp = getattr(plan, "cp_size", None)
     if plan_cp is not None and int(plan_cp) != cp_size:
@@ -166,7 +176,22 @@ def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int]:
     if embeds is not None and embeds.dim() != 3:
         raise CPInputError(f"shard_batch: 'inputs_embeds' must be [B, S, H], got shape {tuple(embeds.shape)}")
     main = ids if ids is not None else embeds
+    if main.numel() == 0:
+        name = "input_ids" if ids is not None else "inputs_embeds"
+        raise CPInputError(f"shard_batch: the batch is empty ({name!r} has shape {tuple(main.shape)}); "
+                           "CP needs at least one sequence of at least one token")
     return main.shape[0], main.shape[1]
+
+
+def _check_token_dtypes(batch: Mapping[str, Any]) -> None:
+    """Token ids and labels index the vocabulary: a float tensor there would fail deep in the
+    embedding (or the loss) of one forward, so it is refused here, on every rank alike."""
+    for key in ("input_ids", "labels", "shift_labels"):
+        value = batch.get(key)
+        if value is None or not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
+            continue
+        hint = "; pass embeddings as 'inputs_embeds'" if key == "input_ids" else ""
+        raise CPInputError(f"shard_batch: {key!r} must hold integer token ids, got {value.dtype}{hint}")
 
 
 def _check_field_shapes(batch: Mapping[str, Any], bsz: int, seq_len: int) -> None:
@@ -229,11 +254,15 @@ def shard_batch(
     """Return this CP rank's local batch, ready for ``model(**local)`` on a Hugging Face causal LM.
 
     Every rank of the CP group passes the same *global* micro-batch. ``mesh`` provides
-    ``cp_size``/``cp_rank`` (None means cp=1); ``plan.layout()`` fixes the layout (all active
-    overrides must need the same one).
+    ``cp_size``/``cp_rank`` (None means cp=1); ``plan`` — a `Plan`, or a YAML path or dict as
+    `compile` takes — fixes the layout by ``plan.layout()`` (all active overrides must need the
+    same one). Every check runs on the global batch before anything is sliced, so every rank
+    refuses the same batch with the same error: an empty batch, float token ids or labels,
+    packed position ids, unknown keys.
 
     Returned keys: the sliced sequence fields (``input_ids`` | ``inputs_embeds``,
-    ``attention_mask`` if given, ``position_ids`` always — global numbers, never restarted at 0),
+    ``attention_mask`` if given, ``position_ids`` always — global numbers, restarting at 0 only at the
+    documents of a packed batch),
     and when labels are given: ``labels`` (local slice of the *unshifted* labels, so HF computes a
     loss), ``shift_labels`` (local slice of the globally shifted targets, which HF's
     ``ForCausalLMLoss`` uses instead of shifting locally) and ``num_items_in_batch`` (the number
@@ -268,6 +297,7 @@ def shard_batch(
     cp_size, cp_rank, layout = _batch_layout(mesh, plan)
     bsz, seq_len = _sequence_shape(global_batch)
     _check_field_shapes(global_batch, bsz, seq_len)
+    _check_token_dtypes(global_batch)
 
     fields: dict[str, torch.Tensor] = {
         key: global_batch[key] for key in _SEQ_DIM if global_batch.get(key) is not None

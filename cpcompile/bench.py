@@ -20,7 +20,7 @@ import torch.distributed as dist
 from .batch import shard_batch
 from .pipeline import compile as cp_compile
 from .mesh import build_mesh
-from .train import TrainConfig, build_model, synthetic_batch
+from .train import TrainConfig, build_model, check_world_size, synthetic_batch
 
 
 def time_steps(step: Callable[[], torch.Tensor], warmup: int, repeat: int, device: str,
@@ -61,6 +61,7 @@ def time_steps(step: Callable[[], torch.Tensor], warmup: int, repeat: int, devic
 def bench(config: TrainConfig, warmup: int, repeat: int, full_sequence: bool = False) -> list[dict]:
     """-> one row per variant: {"variant", "tokens", "fwd", "bwd", "alloc", "reserved"}."""
     settings = config.train
+    check_world_size(config.plan)
     mesh = build_mesh(config.plan.accelerator, device_type=settings.device)
     model = build_model(config.model, settings)
     batch = synthetic_batch(0, settings, model.config.get_text_config().vocab_size)

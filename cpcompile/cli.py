@@ -3,38 +3,68 @@
     python -m cpcompile inspect DUMP_DIR                          # print a graph dump's summary
     torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml    # train with the config's CP plan
     torchrun --nproc-per-node N -m cpcompile bench CONFIG.yaml    # time its step, with and without CP
+
+An error cpcompile raises for the user (a `CPCompileError`: a config field, a plan that does not
+fit the job, a verify run that missed its tolerance) or a file it cannot read is one line on
+stderr from rank 0 — `cpcompile train: error: <field>: <reason>`, or `FAIL: ...` for verify —
+and exit status 2 (1 for FAIL); the other ranks stay quiet. `--debug` raises it with its
+traceback instead. torchrun then adds its own report of the ranks that exited non-zero.
 """
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .dump import inspect
+from .errors import CPCompileError, VerificationError
+
+# What is reported in one line; anything else is a bug, and keeps its traceback.
+REPORTED = (CPCompileError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cpcompile", description=__doc__)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            print(inspect(args.dump_dir), end="")
+            return 0
+        return _run(args)
+    except REPORTED as exc:
+        if args.debug:
+            raise
+        return report(args.command, exc)
+
+
+def _parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="raise errors with their traceback, on every rank")
+    parser = argparse.ArgumentParser(prog="cpcompile", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    show = commands.add_parser("inspect", help="print the summary of a debug dump directory")
+    show = commands.add_parser("inspect", parents=[common], help="print the summary of a debug dump directory")
     show.add_argument("dump_dir")
-    run = commands.add_parser("train", help="train a causal LM built from a config with the plan's CP (under torchrun)")
+    run = commands.add_parser("train", parents=[common],
+                              help="train a causal LM built from a config with the plan's CP (under torchrun)")
     run.add_argument("config", help="YAML: model, train, accelerator, plan_overrides (see cpcompile/train.py)")
     run.add_argument("--steps", type=int, default=None, help="override train.steps")
-    timing = commands.add_parser("bench", help="time a train config's step with its CP plan and without CP (under torchrun)")
+    timing = commands.add_parser("bench", parents=[common],
+                                 help="time a train config's step with its CP plan and without CP (under torchrun)")
     timing.add_argument("config", help="the same YAML as `train`")
     timing.add_argument("--warmup", type=int, default=3)
     timing.add_argument("--repeat", type=int, default=10)
-    timing.add_argument("--full-sequence", action="store_true", help="also time the model without CP on the whole sequence")
-    args = parser.parse_args(argv)
-    if args.command in ("train", "bench"):
-        return _run(args)
-    if args.command == "inspect":
-        try:
-            print(inspect(args.dump_dir), end="")
-        except FileNotFoundError as exc:
-            print(f"cpcompile inspect: {exc}", file=sys.stderr)
-            return 2
-    return 0
+    timing.add_argument("--full-sequence", action="store_true",
+                        help="also time the model without CP on the whole sequence")
+    return parser
+
+
+def report(command: str, exc: BaseException) -> int:
+    """One line on stderr from rank 0 (torchrun's RANK; 0 without torchrun); the exit status."""
+    if int(os.environ.get("RANK", "0")) == 0:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        line = f"FAIL: {text}" if isinstance(exc, VerificationError) else f"cpcompile {command}: error: {text}"
+        print(line, file=sys.stderr, flush=True)
+    return 1 if isinstance(exc, VerificationError) else 2
 
 
 def _run(args) -> int:
@@ -42,16 +72,11 @@ def _run(args) -> int:
 
     import torch.distributed as dist
 
-    from .errors import PlanError
     from .train import load_train_config, train
 
-    try:
-        config = load_train_config(args.config)
-        if getattr(args, "steps", None) is not None:
-            config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=args.steps).validate())
-    except (PlanError, OSError) as exc:
-        print(f"cpcompile {args.command}: {exc}", file=sys.stderr)
-        return 2
+    config = load_train_config(args.config)
+    if getattr(args, "steps", None) is not None:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=args.steps).validate())
     try:
         if args.command == "train":
             train(config)

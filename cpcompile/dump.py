@@ -3,6 +3,8 @@
 Layout of a dump directory:
     <region>/<NN>_<pass>.before.py, .after.py   readable graph code around each pass
     summary.json, summary.txt                   one row per rewritten region
+
+One directory per rank: `cpcompile train` and the demo write `<dump_dir>/rank<r>`.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch.fx as fx
 
 from . import collectives as C
 from .context import PassContext
+from .errors import CPConfigError
 from .passes.schedule import is_compute, is_model_compute
 
 ENV_VAR = "CPCOMPILE_DUMP_DIR"
@@ -56,11 +59,26 @@ def collective_report(gm: fx.GraphModule) -> list[dict[str, Any]]:
     return rows
 
 
+def prepare_dump_dir(path: str | os.PathLike) -> Path:
+    """Create `path` and check that files can be written in it; a `CPConfigError` naming it if not
+    (a file in the way, no permission), raised before anything was traced or changed."""
+    root = Path(path)
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe = root / ".cpcompile_write_check"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise CPConfigError(
+            f"dump_dir {os.fspath(path)!r}: cannot write the debug dump there ({exc.strerror or exc})"
+        ) from exc
+    return root
+
+
 class Dump:
     def __init__(self, root: Path):
-        self.root = root
+        self.root = prepare_dump_dir(root)
         self.regions: list[dict[str, Any]] = []
-        root.mkdir(parents=True, exist_ok=True)
 
     def region_dir(self, fqn: str, variant: int) -> Path:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", fqn) or "root"
@@ -130,5 +148,10 @@ def format_summary(regions: list[dict[str, Any]]) -> str:
 def inspect(dump_dir: str | os.PathLike) -> str:
     path = Path(dump_dir) / "summary.json"
     if not path.exists():
+        ranks = sorted(p.parent for p in Path(dump_dir).glob("*/summary.json"))
+        if ranks:  # a job's folder holds one dump per rank
+            raise FileNotFoundError(
+                f"{dump_dir} holds one dump per rank; inspect one of them: {', '.join(map(str, ranks))}"
+            )
         raise FileNotFoundError(f"{path} not found: is {dump_dir} a cpcompile dump directory?")
     return format_summary(json.loads(path.read_text())["regions"])

@@ -6,18 +6,50 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | class | builtin | raised when |
 |---|---|---|
 | `PlanError` | ValueError | a plan field is invalid; `field` is its path, `reason` why |
-| `CPConfigError` | ValueError | the plan does not fit the job: world size, mesh, cp size, sub-groups |
+| `CPConfigError` | ValueError | the plan does not fit the job (world size, mesh, cp size, sub-groups); an unwritable `dump_dir` |
 | `CoverageError` | ValueError | an attention core lies in no region, or a region runs no core of its method's kind |
 | `CPInputError` | ValueError | a model, call, batch, wrapper parameter or kernel input CP cannot serve |
 | `UnsupportedMaskError` | ValueError | an attention mask other than causal∧key-padding or key-padding alone |
 | `UnsupportedError` | NotImplementedError | a combination not supported yet (TP/PP/EP with CP), or no registered method |
 | `AlreadyCompiledError` | RuntimeError | a module is compiled a second time |
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
+| `VerificationError` | RuntimeError | a CP run differs from its reference beyond its tolerance (`train` with `verify: true`) |
+| `MissingDependencyError` | ImportError | a package a feature needs is not installed; the message names the pip extra |
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a
 wrong argument type stays `TypeError`.
+
+A value shown in a message goes through `short_repr`, so an error never grows with its input (a
+plan value may be a huge or deeply shared structure); `PlanError` also clips its field and reason.
 """
 from __future__ import annotations
+
+import reprlib
+
+MAX_VALUE_CHARS = 200  # one value shown in a message
+MAX_MESSAGE_CHARS = 2000  # a whole PlanError reason
+
+_BOUNDED = reprlib.Repr()  # reprlib stops at a depth and a width, so huge inputs cost little
+_BOUNDED.maxlevel, _BOUNDED.maxstring, _BOUNDED.maxother, _BOUNDED.maxlong = 2, 80, 80, 40
+
+
+def clip(text: str, limit: int) -> str:
+    """`text`, cut to about `limit` characters with a note of how much was left out."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 32, 0)
+    return f"{text[:keep]}... ({len(text) - keep} more characters)"
+
+
+def short_repr(value: object, limit: int = MAX_VALUE_CHARS) -> str:
+    """`repr(value)` for an error message: bounded in size and cost, whatever `value` holds."""
+    try:
+        text = _BOUNDED.repr(value)
+    except ValueError:  # an int too long to print (sys.set_int_max_str_digits)
+        text = f"<{type(value).__name__} of {value.bit_length()} bits>" if isinstance(value, int) else "<?>"
+    except Exception:  # a broken __repr__ must not hide the error being reported
+        text = f"<{type(value).__name__} object>"
+    return clip(text, limit)
 
 
 class CPCompileError(Exception):
@@ -28,16 +60,17 @@ class PlanError(CPCompileError, ValueError):
     """A plan field is invalid. `field` is its path (``plan_overrides[1].when``), `reason` why."""
 
     def __init__(self, field: str, reason: str):
-        self.field = field
-        self.reason = reason
-        super().__init__(f"{field}: {reason}")
+        self.field = clip(str(field), MAX_VALUE_CHARS)
+        self.reason = clip(str(reason), MAX_MESSAGE_CHARS)
+        super().__init__(f"{self.field}: {self.reason}")
 
     def __reduce__(self):  # keep it picklable across processes despite the 2-argument __init__
         return (type(self), (self.field, self.reason))
 
 
 class CPConfigError(CPCompileError, ValueError):
-    """The plan does not fit the running job (world size, mesh shape, sub-group sizes, ...)."""
+    """The plan does not fit the running job (world size, mesh shape, sub-group sizes, ...), or the
+    job cannot do what it was asked (write the debug dump to `dump_dir`)."""
 
 
 class CoverageError(CPCompileError, ValueError):
@@ -73,3 +106,12 @@ class GDNCapabilityError(CPCompileError, RuntimeError):
 
     def __reduce__(self):
         return (type(self), (self.capability, self.reason))
+
+
+class VerificationError(CPCompileError, RuntimeError):
+    """A CP run checked against its reference (`cpcompile train` with `verify: true`) differs by
+    more than its tolerance; the message says where and by how much."""
+
+
+class MissingDependencyError(CPCompileError, ImportError):
+    """A package a feature needs is not installed; the message names the extra that brings it."""

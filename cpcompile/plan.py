@@ -8,7 +8,11 @@ What a plan may *not* do, on purpose:
   `load_balance`, `async_fallback` are rejected): the method is declared per module, by the
   `inner_wrapper` of a `plan_overrides` entry, and nothing is picked by default;
 - call an arbitrary callable: `_target_` must resolve to a function carrying the
-  `@cpcompile.inner_wrapper` marker (checked before anything is called).
+  `@cpcompile.inner_wrapper` marker (checked before anything is called);
+- import a module because it named it: a `_target_` must be the path of a registered name or lie
+  in an allowed module (cpcompile's own, or one allowed with `cpcompile.allow_wrapper_module`);
+- grow without bound: a YAML file above `MAX_YAML_BYTES`, or whose aliases expand it beyond
+  `MAX_YAML_NODES` nodes, is refused, and the values an error shows are cut short (`short_repr`).
 
 `local_compute_fn` is parsed but not supported yet: an override that uses it is rejected with
 "local_compute_fn is not supported yet; use inner_wrapper".
@@ -28,7 +32,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 import yaml
 
-from .errors import PlanError
+from .errors import PlanError, short_repr
 from .methods import CONTIGUOUS, CPMethod, methods_of_core
 from .methods import names as wrapper_names
 
@@ -54,6 +58,12 @@ _REGION_DISPATCH_HINT = (
     "region must not be dispatched again"
 )
 LOCAL_COMPUTE_FN_UNSUPPORTED = "local_compute_fn is not supported yet; use inner_wrapper"
+
+# A plan or a train config is a few hundred bytes and a few dozen nodes; these bounds leave room
+# for hundreds of overrides while keeping what a hostile file can cost small.
+MAX_YAML_BYTES = 64 * 1024
+MAX_YAML_NODES = 10_000  # counted with every alias expanded, as the document would be used
+MAX_SIZE = 2**31 - 1  # any size or count in a plan or train config
 
 
 # --------------------------------------------------------------------------- data
@@ -214,8 +224,8 @@ def _needed_layout(override: Override) -> str:
 
 def _layout_conflict(a: Override, b: Override) -> PlanError:
     reordered, plain = (a, b) if _needed_layout(a) != CONTIGUOUS else (b, a)
-    that = f"{reordered.field('inner_wrapper')} (match {reordered.match!r}: {_describe(reordered)})"
-    this = f"this override (match {plain.match!r}: {_describe(plain)})"
+    that = f"{reordered.field('inner_wrapper')} (match {short_repr(reordered.match)}: {_describe(reordered)})"
+    this = f"this override (match {short_repr(plain.match)}: {_describe(plain)})"
     core = plain.method.core if plain.method is not None else None
     if core is not None and not any(spec.layout == _needed_layout(reordered) for spec in methods_of_core(core)):
         kind = core.upper()  # a core kind with no method for the other layout, e.g. GDN
@@ -249,13 +259,59 @@ def load_plan(source: "str | os.PathLike | Mapping[str, Any] | Plan") -> Plan:
 
 
 def read_yaml(path: "str | os.PathLike") -> Any:
-    """The YAML document at `path` (`yaml.safe_load` only); a syntax error is a `PlanError`."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    """The YAML document at `path`, read as `yaml.safe_load` does; a `PlanError` naming the file
+    for a syntax error, a file above `MAX_YAML_BYTES`, or aliases that expand it past
+    `MAX_YAML_NODES` nodes (or into itself), checked before any Python object is built."""
+    field = os.fspath(path)
+    with open(path, "rb") as f:
+        data = f.read(MAX_YAML_BYTES + 1)
+    if len(data) > MAX_YAML_BYTES:
+        raise PlanError(field, f"the file is larger than {MAX_YAML_BYTES} bytes; "
+                               "a plan or train config is a few hundred")
     try:
-        return yaml.safe_load(text)
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PlanError(field, f"not UTF-8 text (byte {exc.start})") from exc
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _check_expanded_size(field, node)
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
-        raise PlanError(os.fspath(path), f"not valid YAML: {exc}") from exc
+        raise PlanError(field, f"not valid YAML: {exc}") from exc
+    except RecursionError as exc:
+        raise PlanError(field, "not a plan: its collections are nested too deeply") from exc
+    finally:
+        loader.dispose()
+
+
+def _check_expanded_size(field: str, root: yaml.Node) -> None:
+    """Count `root`'s nodes as if every alias were expanded (a shared node once per use, from a
+    memo, so a few hundred bytes of nested aliases cost no more than their own nodes here)."""
+    expanded: dict[int, int] = {}
+    inside: set[int] = set()
+
+    def count(node: yaml.Node) -> int:
+        if id(node) in expanded:
+            return expanded[id(node)]
+        if id(node) in inside:
+            raise PlanError(field, "an alias refers to a collection that contains it (a recursive structure)")
+        inside.add(id(node))
+        children = node.value if isinstance(node, yaml.SequenceNode) else (
+            [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else ())
+        total = 1
+        for child in children:
+            total += count(child)
+            if total > MAX_YAML_NODES:
+                raise PlanError(field, f"has more than {MAX_YAML_NODES} nodes once its aliases (*name) are "
+                                       "expanded; a plan or train config has a few dozen")
+        inside.discard(id(node))
+        expanded[id(node)] = total
+        return total
+
+    count(root)
 
 
 # --------------------------------------------------------------------------- parsing
@@ -341,7 +397,7 @@ def _resolve_inner_wrapper(path: str, spec: Any) -> CPMethod:
         params = {k: v for k, v in spec.items() if k != TARGET_KEY}
         for key in params:
             if not isinstance(key, str):
-                raise PlanError(path, f"parameter names must be strings, got {key!r}")
+                raise PlanError(path, f"parameter names must be strings, got {short_repr(key)}")
         if isinstance(target, str):
             try:
                 fn = wrapper_names.import_marked_target(target)
@@ -364,11 +420,11 @@ def _lookup_name(path: str, name: str) -> Callable:
     names = wrapper_names.registered_names()
     if name not in names:
         hint = f"; for a dotted path write {{{TARGET_KEY}: {name}}}" if "." in name else ""
-        raise PlanError(path, f"unknown inner wrapper {name!r}; registered names: {', '.join(names)}{hint}")
+        raise PlanError(path, f"unknown inner wrapper {short_repr(name)}; registered names: {', '.join(names)}{hint}")
     try:
         return wrapper_names.lookup_registered(name)
     except ValueError as exc:
-        raise PlanError(path, f"registered wrapper {name!r} cannot be loaded: {exc}") from exc
+        raise PlanError(path, f"registered wrapper {short_repr(name)} cannot be loaded: {exc}") from exc
 
 
 def _check_marked(path: str, fn: Any) -> Callable:
@@ -391,7 +447,7 @@ def _call_wrapper(path: str, label: str, fn: Callable, params: dict[str, Any]) -
     try:
         method = fn(**params)
     except (TypeError, ValueError) as exc:
-        given = ", ".join(f"{k}={v!r}" for k, v in params.items()) or "no parameters"
+        given = ", ".join(f"{k}={short_repr(v)}" for k, v in params.items()) or "no parameters"
         raise PlanError(path, f"inner wrapper {label} rejected its parameters ({given}): {exc}") from exc
     if not isinstance(method, CPMethod):
         raise PlanError(
@@ -413,36 +469,39 @@ def reject_unknown_keys(path: str, raw: Mapping, allowed: tuple[str, ...]) -> No
     """A `PlanError` naming `path.key` for the first key of `raw` not in `allowed`."""
     for key in raw:
         if key not in allowed:
-            where = f"{path}.{key}" if path else str(key)
+            key = key if isinstance(key, str) else short_repr(key)
+            where = f"{path}.{key}" if path else key
             raise PlanError(where, f"unknown key; allowed keys: {', '.join(allowed)}")
 
 
 def check_size(path: str, value: Any) -> None:
-    """A `PlanError` naming `path` unless `value` is an int >= 1 (bool refused)."""
+    """A `PlanError` naming `path` unless `value` is an int from 1 to `MAX_SIZE` (bool refused)."""
     if type(value) is not int:  # bool is an int subclass; refuse it here
-        raise PlanError(path, f"must be an integer >= 1, got {value!r} ({type(value).__name__})")
+        raise PlanError(path, f"must be an integer >= 1, got {short_repr(value)} ({type(value).__name__})")
     if value < 1:
         raise PlanError(path, f"must be an integer >= 1, got {value}")
+    if value > MAX_SIZE:
+        raise PlanError(path, f"must be an integer >= 1 and at most {MAX_SIZE}, got {short_repr(value)}")
 
 
 def _check_flag(path: str, value: Any) -> None:
     if not isinstance(value, bool):
-        raise PlanError(path, f"must be true or false, got {value!r} ({type(value).__name__})")
+        raise PlanError(path, f"must be true or false, got {short_repr(value)} ({type(value).__name__})")
 
 
 def _check_match(path: str, value: Any) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise PlanError(path, f"must be a non-empty string (an fnmatch glob over module FQNs), got {value!r}")
+        raise PlanError(path, f"must be a non-empty string (an fnmatch glob over module FQNs), got {short_repr(value)}")
 
 
 def _check_when(path: str, value: Any) -> None:
     if not isinstance(value, str) or value not in SUPPORTED_WHEN:
-        raise PlanError(path, f"unsupported value {value!r}; accepted: {', '.join(SUPPORTED_WHEN)}")
+        raise PlanError(path, f"unsupported value {short_repr(value)}; accepted: {', '.join(SUPPORTED_WHEN)}")
 
 
 def _check_region_dispatch(path: str, value: Any) -> None:
     if value is not False:
-        raise PlanError(path, f"got {value!r}; it {_REGION_DISPATCH_HINT}")
+        raise PlanError(path, f"got {short_repr(value)}; it {_REGION_DISPATCH_HINT}")
 
 
 def _check_inner_target(path: str, value: Any) -> None:
@@ -452,12 +511,13 @@ def _check_inner_target(path: str, value: Any) -> None:
         return
     parts = value.split(".")
     if not all(p and (p.isidentifier() or p.isdigit()) for p in parts):
-        raise PlanError(path, f"must be 'self' or a dotted submodule path like 'core_attention', got {value!r}")
+        raise PlanError(path, "must be 'self' or a dotted submodule path like 'core_attention', "
+                              f"got {short_repr(value)}")
 
 
 def _check_local_compute_fn(path: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
-        raise PlanError(path, f"must be a dotted path string, got {value!r}")
+        raise PlanError(path, f"must be a dotted path string, got {short_repr(value)}")
     raise PlanError(path, LOCAL_COMPUTE_FN_UNSUPPORTED)
 
 
@@ -467,7 +527,7 @@ def _check_unique_matches(overrides: tuple[Override, ...]) -> None:
         if o.match in seen:
             raise PlanError(
                 o.field("match"),
-                f"{o.match!r} is also the match of plan_overrides[{seen[o.match]}]; "
+                f"{short_repr(o.match)} is also the match of plan_overrides[{seen[o.match]}]; "
                 "each module may have only one override (ambiguous)",
             )
         seen[o.match] = o.index

@@ -6,7 +6,7 @@ only that. Sync and async are different wrappers, never a flag in the plan.
 """
 from __future__ import annotations
 
-from .errors import CPInputError
+from .errors import CPInputError, short_repr
 from .methods import CPMethod, inner_wrapper
 from .passes.sdpa.all_gather import ALL_GATHER, ASYNC_ALL_GATHER
 from .passes.sdpa.head_tail import LOAD_BALANCE
@@ -16,7 +16,7 @@ from .passes.sdpa.ulysses import ASYNC_ULYSSES, ULYSSES
 
 def _check_ulysses_degree(ulysses_degree: int) -> int:
     if isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 2:
-        raise CPInputError(f"ulysses_degree must be an integer >= 2, got {ulysses_degree!r}")
+        raise CPInputError(f"ulysses_degree must be an integer >= 2, got {short_repr(ulysses_degree)}")
     return ulysses_degree
 
 

@@ -3,12 +3,15 @@
 Run with `bash scripts/demo.sh` (4 CPU processes under torchrun). Every rank builds the same
 randomly initialised model, runs the CP=1 reference on the whole batch, then compiles a
 copy with an AllGather plan at CP=4, runs its local shard forward and backward, and rank 0
-prints loss and gradient norm side by side.
+prints logits, loss and gradients side by side. The run holds a tolerance (`--rtol`, 1e-5
+relative in fp32): each rank exits with status 1 when the logits (real tokens), the loss or any
+parameter's gradient differ by more, and rank 0 says so in one line starting with `FAIL:`.
 """
 from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -48,10 +51,27 @@ def grad_norm(model: torch.nn.Module) -> float:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]).norm().item()
 
 
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+
+
+def worst_gradient(model: torch.nn.Module, reference: torch.nn.Module) -> tuple[float, str]:
+    """The largest relative gradient error over all parameters, and that parameter's name."""
+    pairs = zip(model.named_parameters(), reference.parameters())
+    return max((rel_error(p.grad, q.grad), name) for (name, p), q in pairs)
+
+
+def shown(path: str) -> str:
+    """`path` as the user can type it: relative to the working directory when under it."""
+    rel = os.path.relpath(path)
+    return rel if not rel.startswith("..") else os.path.abspath(path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seq-len", type=int, default=64)
     parser.add_argument("--dump-dir", default="cp_dump")
+    parser.add_argument("--rtol", type=float, default=1e-5, help="relative tolerance of logits, loss and gradients")
     args = parser.parse_args()
     cp = int(os.environ.get("WORLD_SIZE", "1"))
     os.makedirs(args.dump_dir, exist_ok=True)
@@ -78,11 +98,16 @@ def main() -> None:
     cpcompile.all_reduce_gradients(model, mesh)
     loss = out.loss.detach().clone()
     dist.all_reduce(loss, group=mesh.cp_group)
+    logits = cpcompile.unshard(out.logits.detach(), mesh, plan)  # every rank: the whole sequence
 
-    worst = max(
-        ((p.grad - q.grad).norm() / q.grad.norm()).item()
-        for p, q in zip(model.parameters(), reference.parameters())
-    )
+    real = batch["attention_mask"].bool()  # padded positions' logits are not defined at CP=1 either
+    worst, worst_name = worst_gradient(model, reference)
+    checks = [  # (what, relative error); the same numbers on every rank, so every rank agrees
+        ("logits", rel_error(logits[real], ref_out.logits.detach()[real])),
+        ("loss", rel_error(loss, ref_out.loss.detach())),
+        (f"gradient of {worst_name}", worst),
+    ]
+    failed = [(what, err) for what, err in checks if not err <= args.rtol]  # `not <=`: NaN fails
     if mesh.cp_rank == 0:
         rows = [
             ("loss", ref_out.loss.item(), loss.item()),
@@ -92,10 +117,18 @@ def main() -> None:
         print(f"{'':<12}{'CP=1':>14}{f'CP={cp}':>14}{'rel. error':>14}")
         for name, a, b in rows:
             print(f"{name:<12}{a:>14.6f}{b:>14.6f}{abs(a - b) / abs(a):>14.2e}")
-        print(f"{'worst param':<12}{'':>28}{worst:>14.2e}   (max over all parameter gradients)")
-        print(f"\ngraph dump: {os.path.abspath(rank_dump)} (one per rank)")
-        print(f"inspect it: python -m cpcompile inspect {rank_dump}")
+        print(f"{'logits':<12}{'':>28}{checks[0][1]:>14.2e}   (real tokens)")
+        print(f"{'worst param':<12}{'':>28}{worst:>14.2e}   (max over all parameter gradients: {worst_name})")
+        print(f"\ngraph dump: {shown(rank_dump)} (one folder per rank)")
+        print(f"inspect it: {shown(sys.executable)} -m cpcompile inspect {shown(rank_dump)}")
+        if failed:
+            print("FAIL: " + "; ".join(f"{what} rel. error {err:.2e} > {args.rtol:.0e}" for what, err in failed),
+                  file=sys.stderr, flush=True)
+        else:
+            print(f"PASS: logits, loss and every gradient within {args.rtol:.0e} relative of CP=1")
     dist.destroy_process_group()
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

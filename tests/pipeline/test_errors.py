@@ -18,6 +18,8 @@ BUILTIN_BASE = {
     "UnsupportedError": NotImplementedError,
     "AlreadyCompiledError": RuntimeError,
     "GDNCapabilityError": RuntimeError,
+    "VerificationError": RuntimeError,
+    "MissingDependencyError": ImportError,
 }
 
 
@@ -41,6 +43,9 @@ def test_mask_error_is_an_input_error():
     errors.PlanError("plan_overrides[0].when", "unsupported value"),
     errors.GDNCapabilityError("device", "no GPU"),
     errors.CPInputError("heads"),
+    errors.PlanError("accelerator.cp_size", "x" * 10_000),  # clipped, and still the same after pickling
+    errors.VerificationError("train.verify: step 2: off"),
+    errors.MissingDependencyError("pip install cpcompile[train]"),
 ])
 def test_errors_pickle(err):
     back = pickle.loads(pickle.dumps(err))

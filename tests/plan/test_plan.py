@@ -10,6 +10,7 @@ import pickle
 
 import pytest
 
+import cpcompile
 import cpcompile.methods.names as wrapper_names
 from cpcompile.errors import PlanError
 from cpcompile.methods import CPMethod
@@ -48,7 +49,11 @@ def _assert_error(source, field: str, *words: str) -> PlanError:
     return err
 
 
-# Wrappers used by the tests (marked ones may be named by `_target_: test_plan.<name>`).
+# Wrappers used by the tests: marked ones may be named by `_target_: test_plan.<name>`, since this
+# module allows itself (plans may not name a module nobody allowed: tests/plan/test_hostile_plans.py).
+cpcompile.allow_wrapper_module(__name__)
+
+
 @inner_wrapper
 def hybrid_wrapper(ulysses_degree: int) -> CPMethod:
     if ulysses_degree < 2:
@@ -378,8 +383,10 @@ def test_unmarked_target_is_refused_and_never_called(monkeypatch):
     monkeypatch.setattr(os, "system", lambda *a, **k: calls.append(a))
     _assert_error(_plan(_override(inner_wrapper={"_target_": "os.system", "command": "echo pwned"})),
                   "plan_overrides[0].inner_wrapper._target_",
-                  "not marked with @cpcompile.inner_wrapper")
+                  "module 'os' may not provide inner wrappers")
     assert calls == []
+    _assert_error(_plan(_override(inner_wrapper={"_target_": "cpcompile.wrappers.CPMethod"})),
+                  "plan_overrides[0].inner_wrapper._target_", "not marked with @cpcompile.inner_wrapper")
 
 
 def test_unmarked_function_in_project_is_refused():
@@ -388,7 +395,8 @@ def test_unmarked_function_in_project_is_refused():
 
 
 @pytest.mark.parametrize("target, cause", [
-    ("nowhere_pkg.mod.fn", "cannot import module 'nowhere_pkg.mod'"),
+    ("nowhere_pkg.mod.fn", "module 'nowhere_pkg.mod' may not provide inner wrappers"),
+    ("cpcompile.adapters.nowhere.fn", "cannot import module 'cpcompile.adapters.nowhere'"),
     ("cpcompile.wrappers.no_such_wrapper", "has no attribute 'no_such_wrapper'"),
     ("sdpa_hf_cp_wrapper", "not a dotted path"),
 ])

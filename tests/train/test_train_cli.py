@@ -33,7 +33,8 @@ def _config(cp: int, seed: int, model: str = "qwen3_5", **train) -> dict:
 def _train(rank: int, world: int, seed: int, model: str) -> list[dict]:
     from cpcompile.train import load_train_config, train
 
-    return train(load_train_config(_config(world, seed, model)), log=lambda _: None)
+    tolerance = {"verify_rtol": 1e-3} if model == "qwen3_5" else {}  # as the test below holds it
+    return train(load_train_config(_config(world, seed, model, **tolerance)), log=lambda _: None)
 
 
 @pytest.mark.parametrize("model", ["qwen3", "qwen3_5"])
@@ -61,6 +62,12 @@ def test_losses_follow_the_unrewritten_model(model):
     (lambda c: c["train"].update(lr="1e-3"), "train.lr"),
     (lambda c: c["accelerator"].update(dp_shard_size=2), "accelerator.dp_shard_size"),
     (lambda c: c.update(trainer={}), "trainer"),
+    (lambda c: c["model"].update(hidden_sise=64), "model.hidden_sise"),
+    (lambda c: c["model"].update(model_type="no_such_model"), "model.model_type"),
+    (lambda c: c["train"].update(seq_len=33), "train.seq_len"),
+    (lambda c: c["train"].update(verify_rtol=0), "train.verify_rtol"),
+    (lambda c: c["train"].update(verify="yes"), "train.verify"),
+    (lambda c: c["train"].update(dump_dir=["x"]), "train.dump_dir"),
 ])
 def test_config_errors_name_the_field(edit, field):
     from cpcompile.errors import PlanError
@@ -71,6 +78,31 @@ def test_config_errors_name_the_field(edit, field):
     with pytest.raises(PlanError) as info:
         load_train_config(config)
     assert info.value.field == field, info.value
+
+
+def test_model_keys_transformers_converts_are_kept():
+    """A key transformers still reads under an older name (rope_theta, into rope_parameters) is
+    not a stray key; a misspelt one names its likely spelling."""
+    from cpcompile.errors import PlanError
+    from cpcompile.train import load_train_config, model_config
+
+    config = _config(2, 0, "qwen3")
+    config["model"]["rope_theta"] = 5000.0
+    assert model_config(load_train_config(config).model).rope_parameters["rope_theta"] == 5000.0
+    config["model"]["hidden_sise"] = 64
+    with pytest.raises(PlanError, match="did you mean 'hidden_size'"):
+        load_train_config(config)
+
+
+def test_an_unwritable_dump_dir_names_the_field(tmp_path):
+    from cpcompile.errors import PlanError
+    from cpcompile.train import rank_dump_dir
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(PlanError) as info:
+        rank_dump_dir(str(tmp_path / "file"), 1)
+    assert info.value.field == "train.dump_dir" and "rank1" in info.value.reason, info.value
+    assert rank_dump_dir(str(tmp_path / "dump"), 1) == str(tmp_path / "dump" / "rank1")
 
 
 def _cli(verb: str, *args: str) -> str:
@@ -84,7 +116,7 @@ def _cli(verb: str, *args: str) -> str:
 
 def test_cli_trains_the_example_under_torchrun():
     out = _cli("train", "--steps", "2")
-    assert "step 2/2" in out and "CP=1 loss" in out, out
+    assert "step 2/2" in out and "CP=1 loss" in out and "verify: PASS" in out, out
 
 
 def test_cli_benches_the_example_under_torchrun():
@@ -99,4 +131,23 @@ def test_cli_reports_a_bad_config_without_a_traceback(tmp_path):
     path.write_text("model: {model_type: qwen3_5_text}\ntrain: {steps: -1}\naccelerator: {cp_size: 2}\n")
     res = subprocess.run([sys.executable, "-m", "cpcompile", "train", str(path)], capture_output=True, text=True,
                          timeout=120, cwd=ROOT)
-    assert res.returncode == 2 and "train.steps: must be an integer >= 1" in res.stderr, res.stderr
+    assert res.returncode == 2, res.stderr
+    assert res.stderr == "cpcompile train: error: train.steps: must be an integer >= 1, got -1\n", res.stderr
+
+
+@pytest.mark.parametrize("record, dtype, fails", [
+    ({"loss": 2.0001, "reference_loss": 2.0}, "float32", False),  # 5e-5 relative: within 1e-4
+    ({"loss": 2.001, "reference_loss": 2.0}, "float32", True),  # 5e-4
+    ({"loss": float("nan"), "reference_loss": 2.0}, "float32", True),
+    ({"loss": 2.002, "reference_loss": 2.003, "fp32_reference_loss": 2.0}, "bfloat16", False),  # 1e-3 vs 1.5e-3
+    ({"loss": 2.01, "reference_loss": 2.001, "fp32_reference_loss": 2.0}, "bfloat16", True),  # 5e-3 vs 5e-4
+])
+def test_verify_judges_each_step(record, dtype, fails):
+    """fp32: within train.verify_rtol of the unrewritten copy; bf16: against the fp32 copy, within
+    1.5x the bf16 copy's error + 1e-3 (cpcompile/parity.py)."""
+    from cpcompile.train import TrainSettings, _step_failure
+
+    failure = _step_failure({"step": 3, **record}, TrainSettings(dtype=dtype, verify=True), cp_size=2)
+    assert (failure is not None) == fails, failure
+    if fails:
+        assert failure.startswith("train.verify: step 3: ") and "\n" not in failure

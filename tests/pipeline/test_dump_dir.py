@@ -1,0 +1,49 @@
+"""The debug dump's folder: one that cannot be written is a `CPConfigError` naming it, before any
+module changes (issue 12, item 8); `inspect` points from a job's folder to its per-rank ones."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cp_harness import outcome_of, sdpa_plan, tiny_qwen3
+from dist_utils import run_distributed
+
+
+def _compile_into(rank: int, world: int, dump_dir: str):
+    import torch
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cpcompile
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    plan = cpcompile.load_plan(sdpa_plan(2))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    model = tiny_qwen3(0)
+    local = {"input_ids": torch.randint(0, 96, (1, 8)), "use_cache": False}
+    outcome = outcome_of(lambda: cpcompile.compile(model, mesh, plan, example_inputs=local, dump_dir=dump_dir))
+    untouched = all("forward" not in vars(m) for m in model.modules())
+    dist.destroy_process_group()
+    return outcome, untouched
+
+
+def test_a_dump_dir_that_cannot_be_made_is_a_config_error(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    dump_dir = str(blocker / "dump")
+    ((outcome, untouched),) = run_distributed(_compile_into, 1, dump_dir, init_pg=False, timeout=300)
+    assert outcome is not None and outcome[0] == "CPConfigError", outcome
+    assert f"dump_dir {dump_dir!r}" in outcome[1] and "cannot" in outcome[1], outcome
+    assert untouched
+
+
+def test_inspect_of_a_job_folder_names_its_rank_folders(tmp_path):
+    from cpcompile.dump import inspect
+
+    for rank in range(2):
+        (tmp_path / f"rank{rank}").mkdir()
+        (tmp_path / f"rank{rank}" / "summary.json").write_text(json.dumps({"regions": []}))
+    with pytest.raises(FileNotFoundError) as info:
+        inspect(tmp_path)
+    assert str(tmp_path / "rank0") in str(info.value) and str(tmp_path / "rank1") in str(info.value)
