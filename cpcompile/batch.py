@@ -258,7 +258,7 @@ def shard_batch(
     `compile` takes — fixes the layout by ``plan.layout()`` (all active overrides must need the
     same one). Every check runs on the global batch before anything is sliced, so every rank
     refuses the same batch with the same error: an empty batch, float token ids or labels,
-    packed position ids, unknown keys.
+    malformed packing, unknown keys.
 
     Returned keys: the sliced sequence fields (``input_ids`` | ``inputs_embeds``,
     ``attention_mask`` if given, ``position_ids`` always — global numbers, restarting at 0 only at the
