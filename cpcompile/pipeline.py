@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 from .capture import probe_forward, trace_region
-from .context import PassContext
+from .context import DeclaredAttention, PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
@@ -136,6 +136,12 @@ def default_example(model: nn.Module) -> dict:
     return {"input_ids": ids, "use_cache": False}
 
 
+def declared_attention(region, target: Target) -> DeclaredAttention:
+    """What the region's modules declare about their attention, for adapters that read it (SDPA)."""
+    read = getattr(region, "declared_attention", None)
+    return read(target.fqn, target.module) if read is not None else DeclaredAttention()
+
+
 class InstalledRegion:
     """The replacement `forward`: one rewritten graph per input signature.
 
@@ -146,6 +152,7 @@ class InstalledRegion:
     def __init__(self, target: Target, mesh, dump: Dump | None, args: tuple, kwargs: dict):
         self.target = target
         self.region = region_for(target.override.method)
+        self.declared = declared_attention(self.region, target)
         self.mesh = mesh
         self.dump = dump
         self.programs: dict[Any, RegionProgram] = {}
@@ -182,6 +189,7 @@ class InstalledRegion:
             cp_rank=self.mesh.cp_rank,
             group_name=self.mesh.cp_group_name,
             mesh=self.mesh,
+            declared=self.declared,
             example_inputs=program.flat_inputs(leaves),
         )
         variant = len(self.programs)
