@@ -19,7 +19,7 @@ PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     """The call's leaves, and the key a traced graph is specialised on: the structure, each
-    tensor's shape/dtype/device and each other leaf's value. Anything else cannot be keyed
+    tensor's shape/dtype/device, each other leaf's value and the autocast state. Anything else cannot be keyed
     reliably, so it is refused rather than traced again on every call."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     described = []
@@ -31,7 +31,17 @@ def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]
         else:
             raise TypeError(f"{fqn}: a CP region cannot take an argument of type {type(leaf).__name__}; "
                             "pass tensors and plain values (int, float, bool, str, None)")
-    return leaves, (spec, tuple(described))
+    return leaves, (spec, tuple(described), autocast_state(leaves))
+
+
+def autocast_state(leaves: list[Any]) -> tuple:
+    """Whether autocast is on, and to which dtype, for each device type the call's tensors are on.
+
+    A traced graph holds the dtypes it was traced with (it checks them as it runs), so a call
+    under autocast must not run a graph traced outside it, nor the reverse: the state is part of
+    the signature, and a call under a new state traces the region again, under that state."""
+    devices = sorted({leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)})
+    return tuple((d, torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in devices)
 
 
 @dataclass

@@ -14,7 +14,9 @@ from ...context import PassContext
 from ...methods import register_method
 from ..comm import all_gather_sequence
 from ..graph_utils import Emitter
-from .fragments import SEQ_DIM, check_self_attention, emit_local_attention, gathered_key_valid, local_key_validity
+from .fragments import (
+    SEQ_DIM, check_self_attention, core_inputs, emit_local_attention, gathered_key_valid, local_key_validity,
+)
 from .match import SdpaMatch, sdpa_method
 
 
@@ -23,11 +25,11 @@ def rewrite_all_gather(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -
     q_len, _ = check_self_attention(match, ctx)
     causal, local_valid = local_key_validity(emit, gm, match, ctx)
     key_valid = gathered_key_valid(emit, ctx, local_valid)  # first: it needs no projection, they run under it
-    local_key, local_value, _ = match.unrepeated_kv()
+    query, local_key, local_value = core_inputs(emit, match)
     key = all_gather_sequence(emit, ctx, local_key, SEQ_DIM, purpose="K")
     value = all_gather_sequence(emit, ctx, local_value, SEQ_DIM, purpose="V")
     # local queries are one chunk at r·S_local; under causality they read keys up to their own end
-    output = emit_local_attention(emit, ctx, match, match.query, key, value, key_valid, [ctx.cp_rank * q_len], causal)
+    output = emit_local_attention(emit, ctx, match, query, key, value, key_valid, [ctx.cp_rank * q_len], causal)
     match.replace_with(gm, output)
     ctx.cores_rewritten += 1
 

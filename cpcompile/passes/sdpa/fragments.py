@@ -101,6 +101,22 @@ def local_key_validity(emit: Emitter, gm: fx.GraphModule, match: SdpaMatch, ctx:
     return causal, mask_row(emit, match.attn_mask, q_len - 1 if causal else 0)
 
 
+def at_core_precision(emit: Emitter, match: SdpaMatch, node: fx.Node) -> fx.Node:
+    """`node` in the dtype the core ran at. Under autocast SDPA casts its inputs to the autocast
+    dtype, which its traced output shows; the local attention is a custom op that autocast leaves
+    alone, so the rewrite casts them itself — before the collectives, so K/V travel at that
+    precision too, as they would reach SDPA at CP=1."""
+    dtype = val(match.node).dtype
+    return node if val(node).dtype == dtype else emit(aten._to_copy.default, node, dtype=dtype)
+
+
+def core_inputs(emit: Emitter, match: SdpaMatch) -> tuple[fx.Node, fx.Node, fx.Node]:
+    """Q, and K/V before Hugging Face's `repeat_kv` (`SdpaMatch.unrepeated_kv`), at the core's precision."""
+    key, value, _ = match.unrepeated_kv()
+    query, key, value = (at_core_precision(emit, match, x) for x in (match.query, key, value))
+    return query, key, value
+
+
 def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, query: fx.Node, key: fx.Node,
                          value: fx.Node, key_valid: fx.Node, chunk_starts: list[int], causal: bool) -> fx.Node:
     """The attention a rank computes after its collectives (`kernels.attention.local_attention`):
