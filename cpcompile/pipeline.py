@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -16,7 +17,7 @@ from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputE
 from .methods import method_spec, region_for
 from .passes import run_passes
 from .plan import Override, load_plan
-from .region import RegionProgram, flatten_call
+from .region import RegionProgram, RetracePolicy, describe_call, flatten_call
 
 log = logging.getLogger("cpcompile")
 
@@ -33,7 +34,8 @@ class Target:
     override: Override
 
 
-def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any = None) -> nn.Module:
+def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any = None,
+            trace_cache_size: int | None = None) -> nn.Module:
     """Rewrite every attention region the plan names into its CP form, in place.
 
     `example_inputs` is one *local* batch as this rank will feed the model (a dict of
@@ -42,8 +44,13 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     twice). Every check runs before any module is changed: on error the model's modules are
     left as they were (sub-groups a method needs may already have been created; the probe
     forward runs without gradients on a forked random stream).
+
+    `trace_cache_size`: rewritten graphs each region keeps, one per input signature, least
+    recently used dropped first (default `CPCOMPILE_TRACE_CACHE_SIZE`, else 8); docs/batch.md
+    says how to keep the number of sequence lengths small.
     """
     plan = load_plan(plan)
+    retrace = RetracePolicy.resolve(trace_cache_size)
     if plan.cp_size != mesh.cp_size:
         raise CPConfigError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
     overrides = plan.active_overrides()
@@ -61,7 +68,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     installs = []
     for target in targets:
         args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, args, kwargs))
+        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     return model
@@ -145,17 +152,20 @@ def declared_attention(region, target: Target) -> DeclaredAttention:
 class InstalledRegion:
     """The replacement `forward`: one rewritten graph per input signature.
 
-    A call whose input signature (structure, shapes, dtypes, non-tensor values) was not
-    seen before is traced and rewritten then, before it runs; errors surface the same way.
+    A call whose input signature (structure, shapes, dtypes, non-tensor values, autocast state)
+    was not seen before is traced and rewritten then, before it runs; errors surface the same
+    way. The graphs are kept least recently used first, at most `retrace.cache_size` of them.
     """
 
-    def __init__(self, target: Target, mesh, dump: Dump | None, args: tuple, kwargs: dict):
+    def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict):
         self.target = target
         self.region = region_for(target.override.method)
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
         self.dump = dump
-        self.programs: dict[Any, RegionProgram] = {}
+        self.retrace = retrace
+        self.programs: OrderedDict[Any, RegionProgram] = OrderedDict()
+        self.traces = 0  # signatures traced so far, evicted ones included (the dump numbers variants by it)
         self._build(*self.region.prepare_call(target.fqn, args, kwargs))
 
     def install(self) -> None:
@@ -169,6 +179,8 @@ class InstalledRegion:
         program = self.programs.get(key)
         if program is None:
             program = self._build(args, kwargs)
+        else:
+            self.programs.move_to_end(key)  # least recently used goes first
         return program(leaves)
 
     @torch.compiler.disable
@@ -176,8 +188,8 @@ class InstalledRegion:
         """Trace, rewrite and cache the region for a call signature (args already prepared)."""
         target = self.target
         leaves, key = flatten_call(target.fqn, args, kwargs)
-        if self.programs:
-            log.info("cpcompile: %s traced again for a new input signature (%d so far)", target.fqn, len(self.programs))
+        self.traces += 1
+        self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         ep = trace_region(target.module, self.region.forward, args, kwargs)
         if ep.call_spec.in_spec != key[0]:
             raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
@@ -192,10 +204,12 @@ class InstalledRegion:
             declared=self.declared,
             example_inputs=program.flat_inputs(leaves),
         )
-        variant = len(self.programs)
+        variant = self.traces - 1
         observer = self.dump.pass_observer(target.fqn, variant) if self.dump else None
         program.gm = run_passes(program.gm, ctx, on_pass=observer)
         if self.dump:
             self.dump.add_region(ctx, program.gm, variant, backend=target.override.method.params.get("backend", "-"))
         self.programs[key] = program
+        if len(self.programs) > self.retrace.cache_size:
+            self.programs.popitem(last=False)
         return program

@@ -1,6 +1,8 @@
 """A rewritten region and how it is called in place of the module's forward."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,10 +13,20 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
-from .errors import UnsupportedError
+from .errors import CPConfigError, UnsupportedError
+
+log = logging.getLogger("cpcompile")
 
 # Non-tensor call arguments a traced graph may be specialised on (by value).
 PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device)
+
+# Traced graphs kept per region (`compile(trace_cache_size=)`, else this variable, else the default):
+# each new sequence length traces every region again, and a graph holds its own copy of the
+# region's code and metadata, so a job feeding ever new lengths must not keep them all.
+TRACE_CACHE_ENV = "CPCOMPILE_TRACE_CACHE_SIZE"
+DEFAULT_TRACE_CACHE_SIZE = 8
+# A region traced for more signatures than this is re-tracing as a habit: warn (once per model).
+WARN_AFTER_TRACES = 4
 
 
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
@@ -42,6 +54,51 @@ def autocast_state(leaves: list[Any]) -> tuple:
     the signature, and a call under a new state traces the region again, under that state."""
     devices = sorted({leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)})
     return tuple((d, torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in devices)
+
+
+def describe_call(args: tuple, kwargs: dict) -> list[str]:
+    """The call as readable text, one entry per leaf: `hidden_states: float32[1, 8, 32]`,
+    `use_cache=False` (positional arguments are `arg0`, `arg1`, ...)."""
+    described = []
+    for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        where, rest = path[1], pytree.keystr(path[2:])
+        name = (f"arg{where.idx}" if path[0].idx == 0 else str(where.key)) + rest
+        if isinstance(leaf, torch.Tensor):
+            described.append(f"{name}: {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}")
+        else:
+            described.append(f"{name}={leaf!r}")
+    return described
+
+
+@dataclass
+class RetracePolicy:
+    """What every region of one compiled model keeps and says about re-tracing: `cache_size`
+    graphs each (least recently used dropped first), and one WARNING for the whole model when a
+    region has traced more than `WARN_AFTER_TRACES` signatures (every region re-traces alike)."""
+
+    cache_size: int
+    warned: bool = False
+
+    @classmethod
+    def resolve(cls, requested: int | None) -> "RetracePolicy":
+        size = requested if requested is not None else int(os.environ.get(TRACE_CACHE_ENV, DEFAULT_TRACE_CACHE_SIZE))
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise CPConfigError(f"trace_cache_size (or {TRACE_CACHE_ENV}) must be a positive integer, got {size!r}")
+        return cls(size)
+
+    def note_trace(self, fqn: str, traces: int, call: list[str]) -> None:
+        """Log one more traced signature of region `fqn` (its `traces`-th)."""
+        if traces > 1:
+            log.info("cpcompile: %s traced again for a new input signature (%d so far): %s", fqn, traces, ", ".join(call))
+        if traces > WARN_AFTER_TRACES and not self.warned:
+            self.warned = True
+            log.warning(
+                "cpcompile: %s has been traced for %d input signatures (latest: %s). Every new sequence length, "
+                "batch size, dtype or autocast state traces each region again, and each keeps only the %d most "
+                "recent graphs (trace_cache_size= of compile, or %s): pad batches to a few lengths "
+                "(docs/batch.md, 'A few lengths'). Logged once.",
+                fqn, traces, ", ".join(call), self.cache_size, TRACE_CACHE_ENV,
+            )
 
 
 @dataclass
