@@ -1,6 +1,7 @@
 """The pipeline behind `cpcompile.compile`: match → probe → trace → rewrite → install, atomically."""
 from __future__ import annotations
 
+import inspect
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -10,6 +11,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .agreement import ITEM_SEPARATOR, agree, plan_fields
+from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
 from .dump import Dump, resolve_dump_dir
@@ -17,7 +20,7 @@ from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputE
 from .methods import method_spec, region_for
 from .passes import run_passes
 from .plan import Override, load_plan
-from .region import RegionProgram, RetracePolicy, describe_call, flatten_call
+from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 
 log = logging.getLogger("cpcompile")
 
@@ -60,6 +63,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     reject_unsupported_combinations(plan)
     plan.layout()  # one batch has one sequence layout: refuse overrides that need different ones
     targets = resolve_targets(model, overrides)
+    agree(mesh, "the plan", plan_fields(plan, targets), CPConfigError)  # before the first collective
     build_subgroups(mesh, overrides)
     example = example_inputs if example_inputs is not None else default_example(model)
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
@@ -71,7 +75,24 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
+    install_layout_guard(model, LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout()))
     return model
+
+
+def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
+    """Check every call's `position_ids` against this rank's slice of the plan's layout
+    (`batch.LayoutGuard`), for a model that takes them: a token-batch model, such as a Hugging
+    Face causal LM (a module taking, say, q, k and v has no batch layout to check)."""
+    parameters = list(inspect.signature(model.forward).parameters)
+    if "position_ids" not in parameters:
+        return
+    index = parameters.index("position_ids")
+
+    @torch.compiler.disable  # a Python check of the call, not part of the model's graph
+    def check(_module, args, kwargs):
+        guard.check(kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None))
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def reject_unsupported_combinations(plan) -> None:
@@ -166,6 +187,9 @@ class InstalledRegion:
         self.retrace = retrace
         self.programs: OrderedDict[Any, RegionProgram] = OrderedDict()
         self.traces = 0  # signatures traced so far, evicted ones included (the dump numbers variants by it)
+        # shared signatures the cp group agreed on; never dropped, unlike graphs: whether a call
+        # agrees must depend on what every rank saw, not on what this rank happens to cache
+        self.agreed: set[tuple[str, ...]] = set()
         self._build(*self.region.prepare_call(target.fqn, args, kwargs))
 
     def install(self) -> None:
@@ -183,11 +207,25 @@ class InstalledRegion:
             self.programs.move_to_end(key)  # least recently used goes first
         return program(leaves)
 
+    def _agree_on(self, args: tuple, kwargs: dict) -> None:
+        """Have the cp group agree on this call's shared signature, the first time it is seen.
+
+        Every rank meets a new shared signature at the same call (one collective, before the
+        region's own); a graph of a known one (another rank-local mask, a graph dropped from the
+        cache) is traced without asking.
+        """
+        shared = shared_signature(args, kwargs)
+        if shared not in self.agreed:
+            fields = {"region": self.target.fqn, "inputs": ITEM_SEPARATOR.join(shared)}
+            agree(self.mesh, f"the inputs of region {self.target.fqn}", fields, CPInputError)
+            self.agreed.add(shared)
+
     @torch.compiler.disable
     def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
         """Trace, rewrite and cache the region for a call signature (args already prepared)."""
         target = self.target
         leaves, key = flatten_call(target.fqn, args, kwargs)
+        self._agree_on(args, kwargs)
         self.traces += 1
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         ep = trace_region(target.module, self.region.forward, args, kwargs)

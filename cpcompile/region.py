@@ -27,6 +27,9 @@ TRACE_CACHE_ENV = "CPCOMPILE_TRACE_CACHE_SIZE"
 DEFAULT_TRACE_CACHE_SIZE = 8
 # A region traced for more signatures than this is re-tracing as a habit: warn (once per model).
 WARN_AFTER_TRACES = 4
+# Call arguments that may differ between the ranks of one batch at the same step: transformers
+# passes the attention mask on a rank whose shard has padding and None on one without.
+RANK_LOCAL_KWARGS = frozenset({"attention_mask"})
 
 
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
@@ -68,6 +71,15 @@ def describe_call(args: tuple, kwargs: dict) -> list[str]:
         else:
             described.append(f"{name}={leaf!r}")
     return described
+
+
+def shared_signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """What every rank of the cp group calls a region with at the same step, as text: the call
+    without its rank-local arguments, and the autocast state."""
+    shared = {name: value for name, value in kwargs.items() if name not in RANK_LOCAL_KWARGS}
+    leaves = pytree.tree_leaves((tuple(args), shared))
+    autocast = ", ".join(f"{device} autocast {dtype}" for device, dtype in autocast_state(leaves) if dtype is not None)
+    return (*describe_call(args, shared), autocast or "no autocast")
 
 
 @dataclass
