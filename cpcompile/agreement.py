@@ -10,8 +10,8 @@ the same call, since every rank runs the same modules in the same order.
 `agree` all-gathers one 64-bit digest per field over the cp group (a few bytes, one collective;
 the values themselves are gathered only when they differ, to name them). It runs once per new
 signature, never per step: a rank feeding a length the others have already agreed on, while
-they bring a new one, is not caught here (the batch layout check is per call, see
-`batch.check_local_layout`).
+they bring a new one, is not caught here (the compiled model's per-call check is the batch
+layout, `batch.LayoutGuard`).
 """
 from __future__ import annotations
 
