@@ -193,11 +193,11 @@ class QKVAttention(torch.nn.Module):
 
 
 class QKVHolder(torch.nn.Module):
-    """A model whose only module is `core`, a `QKVAttention`."""
+    """A model whose only module is `core`, a `QKVAttention` unless another is given."""
 
-    def __init__(self):
+    def __init__(self, core: torch.nn.Module | None = None):
         super().__init__()
-        self.core = QKVAttention()
+        self.core = core if core is not None else QKVAttention()
 
     def forward(self, q, k, v):
         return self.core(q, k, v)

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from cp_harness import (
-    assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan, tiny_qwen3,
+    QKVHolder, assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan, tiny_qwen3,
 )
 from dist_utils import run_distributed
 
@@ -35,15 +35,6 @@ class UndeclaredCausality(torch.nn.Module):
 
     def forward(self, q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=q.shape[2] > 1)
-
-
-class Holder(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.core = UndeclaredCausality()
-
-    def forward(self, q, k, v):
-        return self.core(q, k, v)
 
 
 def every_token_a_target(batch: dict) -> dict:
@@ -67,7 +58,7 @@ def _compile_undeclared_one_token():
     plan = cpcompile.load_plan(sdpa_plan(WORLD, wrapper="sdpa_qkv", match="core"))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     q = torch.randn(1, 2, 1, 8)
-    cpcompile.compile(Holder(), mesh, plan, example_inputs=(q, q, q))
+    cpcompile.compile(QKVHolder(UndeclaredCausality()), mesh, plan, example_inputs=(q, q, q))
 
 
 def _run_all(rank: int, world: int, seed: int) -> dict:
