@@ -34,8 +34,8 @@ RANK_LOCAL_KWARGS = frozenset({"attention_mask"})
 
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     """The call's leaves, and the key a traced graph is specialised on: the structure, each
-    tensor's shape/dtype/device, each other leaf's value and the autocast state. Anything else cannot be keyed
-    reliably, so it is refused rather than traced again on every call."""
+    tensor's shape/dtype/device, each other leaf's value and the autocast state. Anything else
+    cannot be keyed reliably, so it is refused rather than traced again on every call."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     described = []
     for leaf in leaves:
@@ -93,7 +93,9 @@ class RetracePolicy:
 
     @classmethod
     def resolve(cls, requested: int | None) -> "RetracePolicy":
-        size = requested if requested is not None else int(os.environ.get(TRACE_CACHE_ENV, DEFAULT_TRACE_CACHE_SIZE))
+        size = requested if requested is not None else os.environ.get(TRACE_CACHE_ENV, DEFAULT_TRACE_CACHE_SIZE)
+        if isinstance(size, str) and size.strip().isdigit():
+            size = int(size)
         if isinstance(size, bool) or not isinstance(size, int) or size < 1:
             raise CPConfigError(f"trace_cache_size (or {TRACE_CACHE_ENV}) must be a positive integer, got {size!r}")
         return cls(size)
