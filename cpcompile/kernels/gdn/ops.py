@@ -18,6 +18,8 @@ time — never a fallback. Triton is imported only when the triton backend is us
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import Tensor
 
@@ -54,6 +56,20 @@ def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
+def without_autocast(kernel):
+    """Run a GDN kernel with autocast off on its tensors' device. The kernels choose their own
+    precision (state and decay in fp32: `eager.compute_dtype`); an ambient `torch.autocast`
+    would round their matmuls to bf16 — inside a custom op's implementation it still applies."""
+
+    @functools.wraps(kernel)
+    def run(q, *args, **kwargs):
+        with torch.autocast(q.device.type, enabled=False):
+            return kernel(q, *args, **kwargs)
+
+    return run
+
+
+@without_autocast
 def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tensor:
     check_backend(backend)
     if backend == "triton":
@@ -70,6 +86,7 @@ def _eager_summary_only(backend: str) -> None:
                          "on the triton backend is cpcompile::gdn_p2p_chunk")
 
 
+@without_autocast
 def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
     _eager_summary_only(backend)
     m, s = eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
@@ -230,7 +247,7 @@ def gdn_p2p_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     """-> (o, H_in): this rank's core output and the fp32 state that entered its segment."""
     from .triton.p2p_executor import p2p_forward
 
-    return p2p_forward(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
+    return without_autocast(p2p_forward)(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
 
 
 @gdn_p2p_chunk.register_fake

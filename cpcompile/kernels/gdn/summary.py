@@ -35,6 +35,13 @@ def apply_summary(M: Tensor, S: Tensor, h_in: Tensor | None = None) -> Tensor:
     return M @ h_in.to(M.dtype) + S
 
 
+def state_step(M: Tensor, S: Tensor, h_in: Tensor) -> Tensor:
+    """``M @ h_in + S`` at the summary's own precision (fp32) whatever the ambient autocast, which
+    would round the matmul to bf16: one step of the eager State-P2P chain, a node of its graph."""
+    with torch.autocast(M.device.type, enabled=False):
+        return apply_summary(M, S, h_in)
+
+
 def summary_adjoint(M: Tensor, d_h_out: Tensor) -> Tensor:
     """``M^T @ d_h_out``: the part of ``dH_in`` that flows through the segment from ``dH_out``."""
     return M.transpose(-1, -2) @ d_h_out.to(M.dtype)
