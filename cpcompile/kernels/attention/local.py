@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..precision import without_autocast
 from .flex import flex_chunk_attention
 from .op import chunk_attention, tiled_attention
 
@@ -31,6 +32,7 @@ def has_padding(key_valid: Tensor) -> bool:
     return not bool(key_valid.all())
 
 
+@without_autocast  # Q/K/V come at the precision autocast gives SDPA; the kernels keep it
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_valid: Tensor, chunk_starts: list[int], causal: bool,
                     scale: float, kernel: str, masked_kernel: str) -> Tensor:
     if kernel != "flex" and not torch.compiler.is_compiling() and not has_padding(key_valid):

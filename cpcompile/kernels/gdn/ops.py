@@ -18,12 +18,11 @@ time — never a fallback. Triton is imported only when the triton backend is us
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 from torch import Tensor
 
 from ...errors import CPInputError
+from ..precision import without_autocast
 from . import eager
 from .common import check_backend
 
@@ -56,20 +55,7 @@ def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
-def without_autocast(kernel):
-    """Run a GDN kernel with autocast off on its tensors' device. The kernels choose their own
-    precision (state and decay in fp32: `eager.compute_dtype`); an ambient `torch.autocast`
-    would round their matmuls to bf16 — inside a custom op's implementation it still applies."""
-
-    @functools.wraps(kernel)
-    def run(q, *args, **kwargs):
-        with torch.autocast(q.device.type, enabled=False):
-            return kernel(q, *args, **kwargs)
-
-    return run
-
-
-@without_autocast
+@without_autocast  # the kernels keep their state and decay in fp32 (`eager.compute_dtype`)
 def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tensor:
     check_backend(backend)
     if backend == "triton":
