@@ -19,7 +19,7 @@ process group; `unshard` is their distributed inverse.
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+from typing import Any, Mapping, NamedTuple
 
 import torch
 
@@ -354,6 +354,8 @@ def shard_batch(
     if num_items is not None:
         local["num_items_in_batch"] = num_items
     local["use_cache"] = False
+    if index is not None:
+        mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
     return local
 
 
@@ -411,3 +413,78 @@ def unshard(local_tensor: torch.Tensor, mesh: Any, plan: Any, *, seq_dim: int = 
     leading = local_tensor.movedim(seq_dim, 0).contiguous()
     gathered = WAIT(ALL_GATHER(leading, cp_size, _cp_process_group(mesh).group_name))
     return restore_order(gathered.movedim(0, seq_dim), cp_size, layout, seq_dim=seq_dim)
+
+
+# ----------------------------------------------------------------------------- the layout a batch was sliced for
+
+LAYOUT_MARK = "_cpcompile_layout"  # the attribute `shard_batch` sets on the local position ids
+
+
+class ShardLayout(NamedTuple):
+    layout: str
+    cp_size: int
+    cp_rank: int
+
+    def describe(self) -> str:
+        return f"the {self.layout!r} layout, cp rank {self.cp_rank} of {self.cp_size}"
+
+
+def mark_layout(position_ids: torch.Tensor, layout: ShardLayout) -> None:
+    """Record on the local position ids (a tensor `shard_batch` made) which slice they are, so the
+    compiled model can check it on every call at no cost. A copy (`.to(device)`, `.clone()`)
+    drops the mark; the model then checks the values instead (`LayoutGuard`)."""
+    setattr(position_ids, LAYOUT_MARK, layout)
+
+
+class LayoutGuard:
+    """What a compiled model checks before each call: that its `position_ids` are this rank's
+    slice of the global sequence under the plan's layout.
+
+    A batch from `shard_batch` carries the layout it was sliced for (`mark_layout`): compared on
+    every call, free. An unmarked one (sliced by hand, or copied) must hold the default global
+    positions of this rank's tokens; that costs reading the first row back, so it is checked once
+    per position-id shape. Without position ids the model would number every rank's tokens from
+    0, so they are required. This catches a global batch fed to every rank (on all ranks but
+    the first, whose slice starts at 0 as well) and a batch sliced for another layout or rank.
+    """
+
+    def __init__(self, cp_size: int, cp_rank: int, layout: str):
+        self.expected = ShardLayout(layout, cp_size, cp_rank)
+        self.checked_shapes: set[tuple[int, ...]] = set()
+
+    def check(self, position_ids: torch.Tensor | None) -> None:
+        if position_ids is None:
+            raise CPInputError(
+                "the CP model was called without position_ids: it would number each rank's tokens from 0. "
+                "Pass the global batch through cpcompile.shard_batch, which gives every rank its slice "
+                "with global position ids"
+            )
+        mark = getattr(position_ids, LAYOUT_MARK, None)
+        if mark is not None:
+            if mark != self.expected:
+                raise CPInputError(
+                    f"the batch was sharded for {mark.describe()}, but this model was compiled for "
+                    f"{self.expected.describe()}: shard it with the plan and mesh the model was compiled with"
+                )
+            return
+        if tuple(position_ids.shape) not in self.checked_shapes:
+            self._check_values(position_ids)
+            self.checked_shapes.add(tuple(position_ids.shape))
+
+    def _check_values(self, position_ids: torch.Tensor) -> None:
+        layout, cp_size, cp_rank = self.expected
+        local_len = position_ids.shape[-1]
+        expected = local_indices(local_len * cp_size, cp_size, cp_rank, layout)
+        first_row = position_ids.reshape(-1, local_len)[0].cpu()
+        if not torch.equal(first_row, expected.to(first_row.dtype)):
+            raise CPInputError(
+                f"position_ids on cp rank {cp_rank} ({_ends(first_row)}) are not this rank's slice of the global "
+                f"sequence under the plan's {layout!r} layout, which would start at {int(expected[0])} "
+                f"({_ends(expected)}): was the global batch fed to every rank, or sliced for another layout? "
+                "Pass it through cpcompile.shard_batch (which also marks the slice, so any position ids pass)"
+            )
+
+
+def _ends(positions: torch.Tensor) -> str:
+    values = positions.tolist()
+    return f"{values[0]}..{values[-1]}" if len(values) <= 2 else f"{values[0]}, {values[1]}, ..., {values[-1]}"

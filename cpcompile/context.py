@@ -21,6 +21,23 @@ class CollectiveRecord:
     wait: str
 
 
+@dataclass(frozen=True)
+class DeclaredAttention:
+    """What a region's modules say about their softmax attention, read from the modules (their
+    configuration), not from a traced call: whether it is causal (None: no module says, or they
+    disagree) and the narrowest sliding window any of them declares (None: none), with the FQN
+    of the module declaring it.
+
+    The traced call cannot tell either reliably: transformers passes `is_causal = q_len > 1`
+    (so one local token looks non-causal), and a window at least as long as the local shard
+    looks fully causal on that shard, while it cuts the global sequence.
+    """
+
+    causal: bool | None = None
+    window: int | None = None
+    window_module: str = ""
+
+
 @dataclass
 class PassContext:
     """What a rewrite pass may read (the method, the group, the example inputs) and record.
@@ -36,6 +53,7 @@ class PassContext:
     cp_rank: int
     group_name: str
     mesh: Any = None  # the CPMesh, for methods that need sub-groups (built before any trace)
+    declared: DeclaredAttention = DeclaredAttention()  # the region adapter reads it off the modules
     example_inputs: list[Any] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

@@ -1,7 +1,9 @@
 """The pipeline behind `cpcompile.compile`: match → probe → trace → rewrite → install, atomically."""
 from __future__ import annotations
 
+import inspect
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from typing import Any
@@ -9,14 +11,16 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from .agreement import ITEM_SEPARATOR, agree, plan_fields
+from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
-from .context import PassContext
+from .context import DeclaredAttention, PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
 from .passes import run_passes
 from .plan import Override, load_plan
-from .region import RegionProgram, flatten_call
+from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 
 log = logging.getLogger("cpcompile")
 
@@ -33,7 +37,8 @@ class Target:
     override: Override
 
 
-def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any = None) -> nn.Module:
+def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any = None,
+            trace_cache_size: int | None = None) -> nn.Module:
     """Rewrite every attention region the plan names into its CP form, in place.
 
     `example_inputs` is one *local* batch as this rank will feed the model (a dict of
@@ -42,8 +47,13 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     twice). Every check runs before any module is changed: on error the model's modules are
     left as they were (sub-groups a method needs may already have been created; the probe
     forward runs without gradients on a forked random stream).
+
+    `trace_cache_size`: rewritten graphs each region keeps, one per input signature, least
+    recently used dropped first (default `CPCOMPILE_TRACE_CACHE_SIZE`, else 8); docs/batch.md
+    says how to keep the number of sequence lengths small.
     """
     plan = load_plan(plan)
+    retrace = RetracePolicy.resolve(trace_cache_size)
     if plan.cp_size != mesh.cp_size:
         raise CPConfigError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
     overrides = plan.active_overrides()
@@ -53,6 +63,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     reject_unsupported_combinations(plan)
     plan.layout()  # one batch has one sequence layout: refuse overrides that need different ones
     targets = resolve_targets(model, overrides)
+    agree(mesh, "the plan", plan_fields(plan, targets), CPConfigError)  # before the first collective
     build_subgroups(mesh, overrides)
     example = example_inputs if example_inputs is not None else default_example(model)
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
@@ -61,10 +72,27 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     installs = []
     for target in targets:
         args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, args, kwargs))
+        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
+    install_layout_guard(model, LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout()))
     return model
+
+
+def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
+    """Check every call's `position_ids` against this rank's slice of the plan's layout
+    (`batch.LayoutGuard`), for a model that takes them: a token-batch model, such as a Hugging
+    Face causal LM (a module taking, say, q, k and v has no batch layout to check)."""
+    parameters = list(inspect.signature(model.forward).parameters)
+    if "position_ids" not in parameters:
+        return
+    index = parameters.index("position_ids")
+
+    @torch.compiler.disable  # a Python check of the call, not part of the model's graph
+    def check(_module, args, kwargs):
+        guard.check(kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None))
+
+    model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def reject_unsupported_combinations(plan) -> None:
@@ -136,19 +164,32 @@ def default_example(model: nn.Module) -> dict:
     return {"input_ids": ids, "use_cache": False}
 
 
+def declared_attention(region, target: Target) -> DeclaredAttention:
+    """What the region's modules declare about their attention, for adapters that read it (SDPA)."""
+    read = getattr(region, "declared_attention", None)
+    return read(target.fqn, target.module) if read is not None else DeclaredAttention()
+
+
 class InstalledRegion:
     """The replacement `forward`: one rewritten graph per input signature.
 
-    A call whose input signature (structure, shapes, dtypes, non-tensor values) was not
-    seen before is traced and rewritten then, before it runs; errors surface the same way.
+    A call whose input signature (structure, shapes, dtypes, non-tensor values, autocast state)
+    was not seen before is traced and rewritten then, before it runs; errors surface the same
+    way. The graphs are kept least recently used first, at most `retrace.cache_size` of them.
     """
 
-    def __init__(self, target: Target, mesh, dump: Dump | None, args: tuple, kwargs: dict):
+    def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict):
         self.target = target
         self.region = region_for(target.override.method)
+        self.declared = declared_attention(self.region, target)
         self.mesh = mesh
         self.dump = dump
-        self.programs: dict[Any, RegionProgram] = {}
+        self.retrace = retrace
+        self.programs: OrderedDict[Any, RegionProgram] = OrderedDict()
+        self.traces = 0  # signatures traced so far, evicted ones included (the dump numbers variants by it)
+        # shared signatures the cp group agreed on; never dropped, unlike graphs: whether a call
+        # agrees must depend on what every rank saw, not on what this rank happens to cache
+        self.agreed: set[tuple[str, ...]] = set()
         self._build(*self.region.prepare_call(target.fqn, args, kwargs))
 
     def install(self) -> None:
@@ -162,15 +203,31 @@ class InstalledRegion:
         program = self.programs.get(key)
         if program is None:
             program = self._build(args, kwargs)
+        else:
+            self.programs.move_to_end(key)  # least recently used goes first
         return program(leaves)
+
+    def _agree_on(self, args: tuple, kwargs: dict) -> None:
+        """Have the cp group agree on this call's shared signature, the first time it is seen.
+
+        Every rank meets a new shared signature at the same call (one collective, before the
+        region's own); a graph of a known one (another rank-local mask, a graph dropped from the
+        cache) is traced without asking.
+        """
+        shared = shared_signature(args, kwargs)
+        if shared not in self.agreed:
+            fields = {"region": self.target.fqn, "inputs": ITEM_SEPARATOR.join(shared)}
+            agree(self.mesh, f"the inputs of region {self.target.fqn}", fields, CPInputError)
+            self.agreed.add(shared)
 
     @torch.compiler.disable
     def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
         """Trace, rewrite and cache the region for a call signature (args already prepared)."""
         target = self.target
         leaves, key = flatten_call(target.fqn, args, kwargs)
-        if self.programs:
-            log.info("cpcompile: %s traced again for a new input signature (%d so far)", target.fqn, len(self.programs))
+        self._agree_on(args, kwargs)
+        self.traces += 1
+        self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         ep = trace_region(target.module, self.region.forward, args, kwargs)
         if ep.call_spec.in_spec != key[0]:
             raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
@@ -182,12 +239,15 @@ class InstalledRegion:
             cp_rank=self.mesh.cp_rank,
             group_name=self.mesh.cp_group_name,
             mesh=self.mesh,
+            declared=self.declared,
             example_inputs=program.flat_inputs(leaves),
         )
-        variant = len(self.programs)
+        variant = self.traces - 1
         observer = self.dump.pass_observer(target.fqn, variant) if self.dump else None
         program.gm = run_passes(program.gm, ctx, on_pass=observer)
         if self.dump:
             self.dump.add_region(ctx, program.gm, variant, backend=target.override.method.params.get("backend", "-"))
         self.programs[key] = program
+        if len(self.programs) > self.retrace.cache_size:
+            self.programs.popitem(last=False)
         return program

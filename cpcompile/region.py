@@ -1,6 +1,8 @@
 """A rewritten region and how it is called in place of the module's forward."""
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -11,16 +13,29 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
-from .errors import UnsupportedError
+from .errors import CPConfigError, UnsupportedError
+
+log = logging.getLogger("cpcompile")
 
 # Non-tensor call arguments a traced graph may be specialised on (by value).
 PLAIN_VALUES = (int, float, bool, str, type(None), torch.dtype, torch.device)
 
+# Traced graphs kept per region (`compile(trace_cache_size=)`, else this variable, else the default):
+# each new sequence length traces every region again, and a graph holds its own copy of the
+# region's code and metadata, so a job feeding ever new lengths must not keep them all.
+TRACE_CACHE_ENV = "CPCOMPILE_TRACE_CACHE_SIZE"
+DEFAULT_TRACE_CACHE_SIZE = 8
+# A region traced for more signatures than this is re-tracing as a habit: warn (once per model).
+WARN_AFTER_TRACES = 4
+# Call arguments that may differ between the ranks of one batch at the same step: transformers
+# passes the attention mask on a rank whose shard has padding and None on one without.
+RANK_LOCAL_KWARGS = frozenset({"attention_mask"})
+
 
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     """The call's leaves, and the key a traced graph is specialised on: the structure, each
-    tensor's shape/dtype/device and each other leaf's value. Anything else cannot be keyed
-    reliably, so it is refused rather than traced again on every call."""
+    tensor's shape/dtype/device, each other leaf's value and the autocast state. Anything else
+    cannot be keyed reliably, so it is refused rather than traced again on every call."""
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
     described = []
     for leaf in leaves:
@@ -31,7 +46,73 @@ def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]
         else:
             raise TypeError(f"{fqn}: a CP region cannot take an argument of type {type(leaf).__name__}; "
                             "pass tensors and plain values (int, float, bool, str, None)")
-    return leaves, (spec, tuple(described))
+    return leaves, (spec, tuple(described), autocast_state(leaves))
+
+
+def autocast_state(leaves: list[Any]) -> tuple:
+    """Whether autocast is on, and to which dtype, for each device type the call's tensors are on.
+
+    A traced graph holds the dtypes it was traced with (it checks them as it runs), so a call
+    under autocast must not run a graph traced outside it, nor the reverse: the state is part of
+    the signature, and a call under a new state traces the region again, under that state."""
+    devices = sorted({leaf.device.type for leaf in leaves if isinstance(leaf, torch.Tensor)})
+    return tuple((d, torch.get_autocast_dtype(d) if torch.is_autocast_enabled(d) else None) for d in devices)
+
+
+def describe_call(args: tuple, kwargs: dict) -> list[str]:
+    """The call as readable text, one entry per leaf: `hidden_states: float32[1, 8, 32]`,
+    `use_cache=False` (positional arguments are `arg0`, `arg1`, ...)."""
+    described = []
+    for path, leaf in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]:
+        where, rest = path[1], pytree.keystr(path[2:])
+        name = (f"arg{where.idx}" if path[0].idx == 0 else str(where.key)) + rest
+        if isinstance(leaf, torch.Tensor):
+            described.append(f"{name}: {str(leaf.dtype).removeprefix('torch.')}{list(leaf.shape)}")
+        else:
+            described.append(f"{name}={leaf!r}")
+    return described
+
+
+def shared_signature(args: tuple, kwargs: dict) -> tuple[str, ...]:
+    """What every rank of the cp group calls a region with at the same step, as text: the call
+    without its rank-local arguments, and the autocast state."""
+    shared = {name: value for name, value in kwargs.items() if name not in RANK_LOCAL_KWARGS}
+    leaves = pytree.tree_leaves((tuple(args), shared))
+    autocast = ", ".join(f"{device} autocast {dtype}" for device, dtype in autocast_state(leaves) if dtype is not None)
+    return (*describe_call(args, shared), autocast or "no autocast")
+
+
+@dataclass
+class RetracePolicy:
+    """What every region of one compiled model keeps and says about re-tracing: `cache_size`
+    graphs each (least recently used dropped first), and one WARNING for the whole model when a
+    region has traced more than `WARN_AFTER_TRACES` signatures (every region re-traces alike)."""
+
+    cache_size: int
+    warned: bool = False
+
+    @classmethod
+    def resolve(cls, requested: int | None) -> "RetracePolicy":
+        size = requested if requested is not None else os.environ.get(TRACE_CACHE_ENV, DEFAULT_TRACE_CACHE_SIZE)
+        if isinstance(size, str) and size.strip().isdigit():
+            size = int(size)
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise CPConfigError(f"trace_cache_size (or {TRACE_CACHE_ENV}) must be a positive integer, got {size!r}")
+        return cls(size)
+
+    def note_trace(self, fqn: str, traces: int, call: list[str]) -> None:
+        """Log one more traced signature of region `fqn` (its `traces`-th)."""
+        if traces > 1:
+            log.info("cpcompile: %s traced again for a new input signature (%d so far): %s", fqn, traces, ", ".join(call))
+        if traces > WARN_AFTER_TRACES and not self.warned:
+            self.warned = True
+            log.warning(
+                "cpcompile: %s has been traced for %d input signatures (latest: %s). Every new sequence length, "
+                "batch size, dtype or autocast state traces each region again, and each keeps only the %d most "
+                "recent graphs (trace_cache_size= of compile, or %s): pad batches to a few lengths "
+                "(docs/batch.md, 'A few lengths'). Logged once.",
+                fqn, traces, ", ".join(call), self.cache_size, TRACE_CACHE_ENV,
+            )
 
 
 @dataclass

@@ -16,13 +16,14 @@ import cpcompile
 VOCAB = 96
 
 
-def tiny_qwen3(seed: int, layers: int = 2, dtype=torch.float32):
+def tiny_qwen3(seed: int, layers: int = 2, dtype=torch.float32, **extra_config):
+    """A tiny Qwen3; `extra_config` sets more Qwen3Config fields (e.g. a sliding window)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa",
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa", **extra_config,
     )
     return Qwen3ForCausalLM(config).to(dtype)
 
@@ -75,10 +76,12 @@ def reference_run(make_model, batch: dict):
     return out.logits.detach(), out.loss.detach(), grads
 
 
-def compare_cp_run(make_model, batch: dict, plan: dict, *, compile_backend=None) -> dict:
-    """Run CP on this rank and return relative errors against the CP=1 reference."""
+def compare_cp_run(make_model, batch: dict, plan: dict, *, compile_backend=None, traced_with: dict | None = None) -> dict:
+    """Run CP on this rank and return relative errors against the CP=1 reference.
+
+    `traced_with`: a global batch of another shape to compile with, so `batch` runs a re-trace."""
     ref_logits, ref_loss, ref_grads = reference_run(make_model, batch)
-    got = cp_outputs(make_model, batch, plan, compile_backend=compile_backend)
+    got = cp_outputs(make_model, batch, plan, compile_backend=compile_backend, traced_with=traced_with)
     return {
         "logits": rel(got["logits"], ref_logits),
         "loss": abs(got["loss"].item() - ref_loss.item()) / abs(ref_loss.item()),
@@ -154,12 +157,14 @@ def method_wrapper(method: str, asynchronous: bool, ulysses_degree: int = 2) -> 
     return wrapper
 
 
-def cp_outputs(make_model, batch: dict, plan: dict, *, compile_backend=None) -> dict:
-    """This rank's CP run in global terms: logits gathered, loss and gradients summed over cp."""
+def cp_outputs(make_model, batch: dict, plan: dict, *, compile_backend=None, traced_with: dict | None = None) -> dict:
+    """This rank's CP run in global terms: logits gathered, loss and gradients summed over cp.
+    The model is compiled with `traced_with` (sharded) when given, else with `batch`."""
     plan = cpcompile.load_plan(plan)
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     local = cpcompile.shard_batch(batch, mesh, plan)
-    model = cpcompile.compile(make_model(), mesh, plan, example_inputs=local)
+    example = local if traced_with is None else cpcompile.shard_batch(traced_with, mesh, plan)
+    model = cpcompile.compile(make_model(), mesh, plan, example_inputs=example)
     runner = torch.compile(model, backend=compile_backend) if compile_backend else model
     out = runner(**local)
     out.loss.backward()
@@ -190,11 +195,11 @@ class QKVAttention(torch.nn.Module):
 
 
 class QKVHolder(torch.nn.Module):
-    """A model whose only module is `core`, a `QKVAttention`."""
+    """A model whose only module is `core`, a `QKVAttention` unless another is given."""
 
-    def __init__(self):
+    def __init__(self, core: torch.nn.Module | None = None):
         super().__init__()
-        self.core = QKVAttention()
+        self.core = core if core is not None else QKVAttention()
 
     def forward(self, q, k, v):
         return self.core(q, k, v)

@@ -1,14 +1,21 @@
-"""Regions around a softmax-attention (SDPA) core: traced through the module's own forward."""
+"""Regions around a softmax-attention (SDPA) core: traced through the module's own forward.
+
+Besides preparing calls, the adapter reads what the region's attention modules declare about
+their attention (`declared_attention`): the traced SDPA call alone cannot say whether attention
+is causal at one local token, nor whether a sliding window cuts the global sequence.
+"""
 from __future__ import annotations
 
 from typing import Any
 
 from torch import nn
 
+from ..context import DeclaredAttention
 from ..errors import CPInputError
 from ..methods import AdapterSpec, register_adapter
 
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
+SLIDING_LAYER = "sliding_attention"  # transformers' `config.layer_types` entry for a windowed layer
 
 
 class SdpaRegion:
@@ -25,6 +32,43 @@ class SdpaRegion:
     def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # the class's forward: the instance's may already be cpcompile's replacement
         return type(module).forward(module, *args, **kwargs)
+
+    def declared_attention(self, fqn: str, module: nn.Module) -> DeclaredAttention:
+        """Causality and the narrowest sliding window declared by the attention modules in the
+        region (transformers attention modules carry `is_causal`; the region may be one of them
+        or contain several)."""
+        attention = [(name, m) for name, m in module.named_modules() if isinstance(getattr(m, "is_causal", None), bool)]
+        causal = {m.is_causal for _, m in attention}
+        windows = [(window, name) for name, m in attention if (window := declared_window(m)) is not None]
+        window, where = min(windows) if windows else (None, "")
+        return DeclaredAttention(
+            causal=causal.pop() if len(causal) == 1 else None,
+            window=window,
+            window_module=f"{fqn}.{where}" if where else fqn,
+        )
+
+
+def declared_window(module: nn.Module) -> int | None:
+    """The sliding window a transformers attention module applies, or None.
+
+    transformers states it in one of two ways: the module's own `sliding_window` (None on the
+    full-attention layers of a mixed model; some modules also say `is_sliding`), or — for
+    Mistral-style modules without that attribute — its config's `sliding_window`, on the layers
+    `config.layer_types` marks as sliding (all of them when the config lists no layer types).
+    """
+    if getattr(module, "is_sliding", True) is False:
+        return None
+    if hasattr(module, "sliding_window"):
+        return _positive_int(module.sliding_window)
+    config = getattr(module, "config", None)
+    layer_types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is not None and isinstance(layer, int) and layer < len(layer_types) and layer_types[layer] != SLIDING_LAYER:
+        return None
+    return _positive_int(getattr(config, "sliding_window", None))
+
+
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
 register_adapter(AdapterSpec("sdpa", core="sdpa", region=lambda method: SdpaRegion()))

@@ -72,7 +72,9 @@ class MethodSpec:
 @dataclass(frozen=True)
 class AdapterSpec:
     """A model adapter. `region(method)` returns the object that prepares a region's calls
-    (`prepare_call(fqn, args, kwargs)`) and names the forward to trace (`forward(module, ...)`);
+    (`prepare_call(fqn, args, kwargs)`), names the forward to trace (`forward(module, ...)`) and,
+    optionally, reads what the region's modules declare about their attention
+    (`declared_attention(fqn, module)` -> `context.DeclaredAttention`: causality, sliding window);
     `is_core_module(module)` recognises cores that are modules (GDN layers) rather than op calls."""
 
     name: str

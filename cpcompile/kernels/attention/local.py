@@ -24,11 +24,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..precision import without_autocast
 from .flex import flex_chunk_attention
 from .layout import single_unpadded_document
 from .op import chunk_attention, tiled_attention
 
 
+@without_autocast  # Q/K/V come at the precision autocast gives SDPA; the kernels keep it
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
                     scale: float, kernel: str, masked_kernel: str) -> Tensor:
     if kernel != "flex" and not torch.compiler.is_compiling() and single_unpadded_document(key_tags):

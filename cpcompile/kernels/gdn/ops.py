@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from ...errors import CPInputError
+from ..precision import without_autocast
 from . import eager
 from .common import check_backend
 
@@ -54,6 +55,7 @@ def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
+@without_autocast  # the kernels keep their state and decay in fp32 (`eager.compute_dtype`)
 def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tensor:
     check_backend(backend)
     if backend == "triton":
@@ -70,6 +72,7 @@ def _eager_summary_only(backend: str) -> None:
                          "on the triton backend is cpcompile::gdn_p2p_chunk")
 
 
+@without_autocast
 def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
     _eager_summary_only(backend)
     m, s = eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
@@ -230,7 +233,7 @@ def gdn_p2p_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
     """-> (o, H_in): this rank's core output and the fp32 state that entered its segment."""
     from .triton.p2p_executor import p2p_forward
 
-    return p2p_forward(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
+    return without_autocast(p2p_forward)(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
 
 
 @gdn_p2p_chunk.register_fake

@@ -25,6 +25,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ..precision import without_autocast
+
 Summary = tuple[Tensor, Tensor]  # (M [B, Hv, K, K], S [B, Hv, K, V])
 
 
@@ -33,6 +35,13 @@ def apply_summary(M: Tensor, S: Tensor, h_in: Tensor | None = None) -> Tensor:
     if h_in is None:
         return S
     return M @ h_in.to(M.dtype) + S
+
+
+@without_autocast
+def state_step(M: Tensor, S: Tensor, h_in: Tensor) -> Tensor:
+    """``M @ h_in + S`` at the summary's own precision (fp32) whatever the ambient autocast, which
+    would round the matmul to bf16: one step of the eager State-P2P chain, a node of its graph."""
+    return apply_summary(M, S, h_in)
 
 
 def summary_adjoint(M: Tensor, d_h_out: Tensor) -> Tensor:

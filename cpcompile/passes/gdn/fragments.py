@@ -11,6 +11,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...kernels.gdn.summary import state_step
 from ..comm import all_to_all, cp_group
 from ..graph_utils import Emitter, val
 from .match import GdnMatch
@@ -32,8 +33,8 @@ def heads_to_seq(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> f
 
 
 def apply_summary(emit: Emitter, m: fx.Node, s: fx.Node, state: fx.Node) -> fx.Node:
-    """`M @ H + S`: a segment's effect on the state entering it."""
-    return emit(aten.add.Tensor, emit(aten.matmul.default, m, state), s)
+    """`M @ H + S`: a segment's effect on the state entering it (in fp32 under autocast too)."""
+    return emit(state_step, m, s, state)
 
 
 def summary_parts(emit: Emitter, summary: fx.Node) -> tuple[fx.Node, fx.Node]:

@@ -14,7 +14,9 @@ from ...context import PassContext
 from ...methods import register_method
 from ..comm import all_gather_sequence
 from ..graph_utils import Emitter
-from .fragments import SEQ_DIM, check_self_attention, emit_local_attention, gathered_key_tags, local_key_validity
+from .fragments import (
+    SEQ_DIM, check_self_attention, core_inputs, emit_local_attention, gathered_key_tags, local_key_validity,
+)
 from .match import SdpaMatch, sdpa_method
 
 
@@ -24,11 +26,11 @@ def rewrite_all_gather(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -
     causal, local_valid = local_key_validity(emit, gm, match, ctx)
     # first: it needs no projection, they run under it
     key_tags = gathered_key_tags(emit, gm, ctx, local_valid, [ctx.cp_rank * q_len])
-    local_key, local_value, _ = match.unrepeated_kv()
+    query, local_key, local_value = core_inputs(emit, match)
     key = all_gather_sequence(emit, ctx, local_key, SEQ_DIM, purpose="K")
     value = all_gather_sequence(emit, ctx, local_value, SEQ_DIM, purpose="V")
     # local queries are one chunk at r·S_local; under causality they read keys up to their own end
-    output = emit_local_attention(emit, ctx, match, match.query, key, value, key_tags, [ctx.cp_rank * q_len], causal)
+    output = emit_local_attention(emit, ctx, match, query, key, value, key_tags, [ctx.cp_rank * q_len], causal)
     match.replace_with(gm, output)
     ctx.cores_rewritten += 1
 

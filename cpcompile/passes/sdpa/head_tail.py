@@ -22,7 +22,9 @@ from ...errors import CPInputError
 from ...methods import HEAD_TAIL, register_method
 from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, evaluate_node, val
-from .fragments import all_valid_keys, check_self_attention, emit_local_attention, gathered_key_tags, mask_row
+from .fragments import (
+    all_valid_keys, check_self_attention, core_inputs, emit_local_attention, gathered_key_tags, mask_row,
+)
 from .masks import CAUSAL, classify_local_mask
 from .match import SdpaMatch, sdpa_method
 
@@ -39,10 +41,10 @@ def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) ->
     starts = [index * chunk for index in local_chunks(ctx)]
     key_tags = to_global_order(emit, gathered_key_tags(emit, gm, ctx, local_valid, starts), KEY_TAGS_SEQ_DIM,
                                ctx.cp_size)
-    local_key, local_value, _ = match.unrepeated_kv()
+    query, local_key, local_value = core_inputs(emit, match)
     key = to_global_order(emit, all_gather_sequence(emit, ctx, local_key, SEQ_DIM, "K"), SEQ_DIM, ctx.cp_size)
     value = to_global_order(emit, all_gather_sequence(emit, ctx, local_value, SEQ_DIM, "V"), SEQ_DIM, ctx.cp_size)
-    match.replace_with(gm, emit_local_attention(emit, ctx, match, match.query, key, value, key_tags, starts, causal))
+    match.replace_with(gm, emit_local_attention(emit, ctx, match, query, key, value, key_tags, starts, causal))
     head, tail = local_chunks(ctx)
     note_once(ctx, f"head-tail: local chunks {head} and {tail} of {2 * ctx.cp_size} ({chunk} tokens each); "
                    "K/V gathered over cp and put in global order, each chunk attends to its visible key prefix")

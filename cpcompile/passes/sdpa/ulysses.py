@@ -16,7 +16,7 @@ from ...errors import CPInputError
 from ...methods import register_method
 from ..comm import CommGroup, all_gather_sequence, all_to_all, cp_group, note_once
 from ..graph_utils import Emitter, val
-from .fragments import check_self_attention, emit_local_attention, gathered_key_tags, local_key_validity
+from .fragments import check_self_attention, core_inputs, emit_local_attention, gathered_key_tags, local_key_validity
 from .match import SdpaMatch, sdpa_method
 
 aten = torch.ops.aten
@@ -44,7 +44,8 @@ def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext
     causal, local_valid = local_key_validity(emit, gm, match, ctx)
     # first: it needs no projection, they run under it
     key_tags = gathered_key_tags(emit, gm, ctx, local_valid, [ctx.cp_rank * local_len])
-    query = seq_to_heads(emit, ctx, match.query, heads, "Q")
+    query, local_key, local_value = core_inputs(emit, match)
+    query = seq_to_heads(emit, ctx, query, heads, "Q")
     key = seq_to_heads(emit, ctx, replicate_heads(emit, local_key, replicas), heads, "K")
     value = seq_to_heads(emit, ctx, replicate_heads(emit, local_value, replicas), heads, "V")
     if keys is not None:

@@ -1,0 +1,92 @@
+"""The ranks of a CP group agree before their first collective, or every one of them says why not.
+
+Ranks that compiled different plans, or feed a region different shapes, issue collectives that do
+not match: at best a hang or an abort inside the backend with an unrelated message, at worst
+wrong numbers (AllGather and Head-Tail exchange the same shapes). So `compile` has the ranks
+agree on the plan before its first collective, and every region on its input signature whenever
+it meets one it has not agreed on — at compile and at a re-trace, which happen on every rank at
+the same call, since every rank runs the same modules in the same order.
+
+`agree` all-gathers one 64-bit digest per field over the cp group (a few bytes, one collective;
+the values themselves are gathered only when they differ, to name them). It runs once per new
+signature, never per step: a rank feeding a length the others have already agreed on, while
+they bring a new one, is not caught here (the compiled model's per-call check is the batch
+layout, `batch.LayoutGuard`).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+import torch.distributed as dist
+
+from .errors import CPConfigError
+
+# How much of a field's value a disagreement message quotes per rank; how list-valued fields join items.
+QUOTE = 300
+ITEM_SEPARATOR = "; "
+# torch 2.13 renamed the tensor all-gather; the old name still works there, with a warning
+ALL_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def digest(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def agree(mesh, what: str, fields: dict[str, str], error: type[Exception] = CPConfigError) -> None:
+    """Check that every rank of `mesh`'s cp group holds the same `fields`; raise `error` on every
+    rank otherwise, naming each field that differs and every rank's value.
+
+    Every rank must call this at the same point with the same field names (they fix the size of
+    what is gathered). The gathered buffer starts as this rank's own digests, so a group that
+    communicates nothing (the fake process group of structure tests) agrees.
+    """
+    size = mesh.cp_size
+    if size == 1:
+        return
+    mine = torch.tensor([digest(fields[name]) for name in fields], dtype=torch.int64, device=_device(mesh))
+    gathered = mine.repeat(size)
+    ALL_GATHER_INTO(gathered, mine, group=mesh.cp_group)
+    rows = gathered.view(size, -1).tolist()
+    if all(row == rows[0] for row in rows):
+        return
+    values: list = [None] * size
+    dist.all_gather_object(values, fields, group=mesh.cp_group)
+    differ = [name for i, name in enumerate(fields) if len({row[i] for row in rows}) > 1]
+    lines = [f"  {name}: {first_difference([v[name] for v in values])}" for name in differ]
+    raise error(f"ranks of the cp group disagree on {what}:\n" + "\n".join(lines)
+                + "\nevery rank must compile the same plan and model and feed the same shapes "
+                  "(each its own slice of one global batch: cpcompile.shard_batch)")
+
+
+def first_difference(values: list[str]) -> str:
+    """Each rank's value; for a list of `; `-separated items, each rank's first item that differs."""
+    items = [value.split(ITEM_SEPARATOR) for value in values]
+    longest = max(len(i) for i in items)
+    first = next((k for k in range(longest) if len({tuple(i[k:k + 1]) for i in items}) > 1), 0)
+    quoted = "; ".join(f"rank {r}: {_quote(i[first]) if first < len(i) else '<none>'}" for r, i in enumerate(items))
+    return f"(item {first + 1} of {longest}) {quoted}" if longest > 1 else quoted
+
+
+def _quote(value: str) -> str:
+    return value if len(value) <= QUOTE else value[:QUOTE] + " ..."
+
+
+def _device(mesh) -> torch.device:
+    """Where the group's collectives take tensors: NCCL and HCCL only take the current device's."""
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
+
+
+def plan_fields(plan, targets) -> dict[str, str]:
+    """What every rank's plan must fix alike: the cp size, the sequence layout, each region's
+    method, and the parameter shapes of the regions (the same model)."""
+    return {
+        "cp_size": str(plan.cp_size),
+        "layout": str(plan.layout()),
+        "methods": ITEM_SEPARATOR.join(f"{t.fqn}: {t.override.method.describe()}" for t in targets),
+        "region parameters": ITEM_SEPARATOR.join(
+            f"{t.fqn}.{name}: {list(p.shape)}" for t in targets for name, p in t.module.named_parameters()
+        ),
+    }
