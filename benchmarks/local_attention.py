@@ -6,7 +6,8 @@ For each global length S, head layout (MHA 16x64, GQA 16/4x128) and rank layout 
 - AllGather, last rank: S/P queries at (P-1)·S/P against the S keys before and with them;
 - Head-Tail, rank 0: chunks 0 and 2P-1 of S/(2P) queries against their key prefixes;
 rows: `local_attention` with each CUDA kernel (unmasked prefix block + is_causal diagonal block per
-chunk, merged by log-sum-exp), the same with one padded key (FlexAttention with its block mask), and the
+chunk, merged by log-sum-exp), the same with one padded key (FlexAttention with its block mask),
+optionally packed rows of documents (`--documents`, FlexAttention skipping cross-document blocks), and the
 reference: one flash call per chunk with `is_causal` against its key prefix, which FlashAttention-2
 aligns to the bottom right (what no SDPA API spells for a rank). Forward and forward+backward:
 median ms (triton.testing.do_bench); peak memory of one forward+backward above the inputs.
@@ -39,12 +40,19 @@ def inputs(heads: str, rows: int, keys: int):
     return make(hq, rows), make(hkv, keys), make(hkv, keys)
 
 
-def ours(kernel: str, starts: list[int], padded: bool):
+def packed_tags(keys: int, mean_document: int) -> torch.Tensor:
+    """Key tags of one packed row: documents of random lengths around `mean_document` tokens."""
+    gen = torch.Generator().manual_seed(0)
+    starts = torch.rand(keys, generator=gen) < 1 / mean_document
+    starts[0] = False
+    return starts.long().cumsum(0)[None].cuda()
+
+
+def ours(kernel: str, starts: list[int], tags: torch.Tensor | None = None):
+    """local_attention; `tags` None is one unpadded document (the unmasked blocks)."""
     def run(q, k, v):
-        valid = torch.ones(1, k.shape[2], dtype=torch.bool, device="cuda")
-        if padded:
-            valid[0, 0] = False
-        return local_attention(q, k, v, valid, starts, True, q.shape[-1] ** -0.5, kernel, "flex")
+        key_tags = tags if tags is not None else torch.zeros(1, k.shape[2], dtype=torch.long, device="cuda")
+        return local_attention(q, k, v, key_tags, starts, True, q.shape[-1] ** -0.5, kernel, "flex")
     return run
 
 
@@ -77,6 +85,8 @@ def main() -> int:
     parser.add_argument("--seq", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--cp", type=int, default=2)
     parser.add_argument("--kernels", nargs="+", default=["flash", "cudnn"])
+    parser.add_argument("--documents", type=int, nargs="*", default=[],
+                        help="also packed rows with documents of about these many tokens (FlexAttention)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     lines = [f"# Local attention per rank — {_dt.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
@@ -86,8 +96,13 @@ def main() -> int:
         for heads in HEADS:
             for name, starts in layouts(seq, args.cp).items():
                 q, k, v = inputs(heads, (seq // args.cp), seq)
-                variants = {f"local_attention, {kern}": ours(kern, starts, False) for kern in args.kernels}
-                variants["local_attention, one padded key (flex)"] = ours("flash", starts, True)
+                variants = {f"local_attention, {kern}": ours(kern, starts) for kern in args.kernels}
+                padded = torch.zeros(1, seq, dtype=torch.long, device="cuda")
+                padded[0, 0] = -1
+                variants["local_attention, one padded key (flex)"] = ours("flash", starts, padded)
+                for mean in args.documents:
+                    variants[f"local_attention, packed documents of ~{mean} tokens (flex)"] = \
+                        ours("flash", starts, packed_tags(seq, mean))
                 variants["flash, is_causal per chunk (bottom-right)"] = flash_per_chunk(starts)
                 for label, fn in variants.items():
                     try:
