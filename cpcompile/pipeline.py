@@ -21,6 +21,7 @@ from .methods import method_spec, region_for
 from .passes import run_passes
 from .plan import Override, load_plan
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
+from .tp import check_tp_applied, find_tp_linears, full_gradients_for_replicated_params, local_tp_view, tp_size
 
 log = logging.getLogger("cpcompile")
 
@@ -60,7 +61,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     if not overrides:
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
         return model
-    reject_unsupported_combinations(plan)
+    reject_unsupported_combinations(plan, overrides)
+    check_tp_applied(model, plan.accelerator.tp_size)
     plan.layout()  # one batch has one sequence layout: refuse overrides that need different ones
     targets = resolve_targets(model, overrides)
     agree(mesh, "the plan", plan_fields(plan, targets), CPConfigError)  # before the first collective
@@ -95,9 +97,17 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
     model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def reject_unsupported_combinations(plan) -> None:
+def reject_unsupported_combinations(plan, overrides) -> None:
     for name, size in plan.accelerator.not_with_cp():
         raise UnsupportedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
+    tp_size = plan.accelerator.tp_size
+    for override in overrides:
+        if tp_size > 1 and override.method is not None and override.method.core == "gdn":
+            raise UnsupportedError(
+                f"{override.field('inner_wrapper')}: accelerator.tp_size={tp_size} with a Gated DeltaNet CP method "
+                f"({override.method.describe()}): TP+CP on GDN layers is out of scope (the GDN RFC refuses it: its CP "
+                "methods split or chain the recurrent state of the whole layer's heads); set tp_size: 1"
+            )
 
 
 def build_subgroups(mesh, overrides: list[Override]) -> None:
@@ -183,6 +193,7 @@ class InstalledRegion:
         self.region = region_for(target.override.method)
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
+        self.tp_linears = find_tp_linears(target.fqn, target.module, mesh)
         self.dump = dump
         self.retrace = retrace
         self.programs: OrderedDict[Any, RegionProgram] = OrderedDict()
@@ -228,10 +239,13 @@ class InstalledRegion:
         self._agree_on(args, kwargs)
         self.traces += 1
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
-        ep = trace_region(target.module, self.region.forward, args, kwargs)
+        with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
+            ep = trace_region(target.module, self.region.forward, args, kwargs)
         if ep.call_spec.in_spec != key[0]:
             raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
-        program = RegionProgram.from_export(ep, target.module)
+        program = RegionProgram.from_export(ep, target.module, target.fqn, frozenset(t.module for t in self.tp_linears))
+        if self.tp_linears:
+            program.gm = full_gradients_for_replicated_params(program.gm, program, self.tp_linears[0].group_name)
         ctx = PassContext(
             fqn=target.fqn,
             method=target.override.method,
@@ -240,6 +254,7 @@ class InstalledRegion:
             group_name=self.mesh.cp_group_name,
             mesh=self.mesh,
             declared=self.declared,
+            tp_size=tp_size(self.tp_linears),
             example_inputs=program.flat_inputs(leaves),
         )
         variant = self.traces - 1

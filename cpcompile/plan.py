@@ -41,7 +41,7 @@ logger = logging.getLogger("cpcompile")
 TOP_LEVEL_KEYS = ("accelerator", "plan_overrides")
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "ep_size", "pp_size")
 DP_SIZE_KEYS = ("dp_replicate_size", "dp_shard_size")
-NOT_WITH_CP = ("tp_size", "pp_size", "ep_size")  # parallelisms cpcompile cannot combine with CP yet
+NOT_WITH_CP = ("pp_size", "ep_size")  # parallelisms cpcompile cannot combine with CP yet
 FLAG_KEYS = ("sequence_parallel", "loss_parallel")
 LEGACY_CP_KEYS = ("algorithm", "schedule", "ulysses_degree", "load_balance", "async_fallback")
 OVERRIDE_KEYS = ("match", "when", "region_dispatch", "inner_target", "inner_wrapper", "local_compute_fn")
@@ -93,10 +93,10 @@ class AcceleratorConfig:
         )
 
     def not_with_cp(self, *, include_dp: bool = False) -> list[tuple[str, int]]:
-        """(field, size) of every parallelism set beside CP that cannot run with it: TP, PP and EP
-        (`compile` refuses them); `include_dp` adds the data-parallel sizes, for `cpcompile train`,
-        whose loop runs context parallelism only."""
-        keys = (DP_SIZE_KEYS if include_dp else ()) + NOT_WITH_CP
+        """(field, size) of every parallelism set beside CP that cannot run with it: PP and EP
+        (`compile` refuses them); `include_dp` adds the data- and tensor-parallel sizes, for
+        `cpcompile train`, whose loop runs context parallelism only."""
+        keys = (DP_SIZE_KEYS + ("tp_size",) if include_dp else ()) + NOT_WITH_CP
         return [(key, getattr(self, key)) for key in keys if getattr(self, key) > 1]
 
     def validate(self) -> "AcceleratorConfig":
