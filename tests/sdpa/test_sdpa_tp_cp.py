@@ -1,0 +1,119 @@
+"""Tensor parallelism + context parallelism for SDPA models (issue 18, part 1).
+
+4 gloo ranks as tp 2 x cp 2: PyTorch's own TP (`parallelize_module`, ColwiseParallel on q/k/v and
+the MLP's gate/up, RowwiseParallel on o and down) applied first, then `cpcompile.compile`. Logits,
+loss and every gradient (DTensor gradients gathered to full tensors) equal the single-process
+model, for AllGather, Ulysses and Head-Tail, with and without padding. The ordering rule and the
+TP-local head rule fail with messages naming their cause.
+"""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import cpcompile
+from cp_harness import (
+    HEAD_TAIL_WRAPPER, assert_fails_with, outcome_of, qwen3_with_heads, random_batch, reference_run, rel, tiny_qwen3,
+)
+from dist_utils import run_distributed
+
+WRAPPERS = {"all_gather": "sdpa_hf", "ulysses": "sdpa_hf_ulysses", "head_tail": HEAD_TAIL_WRAPPER}
+TOL = 1e-5
+_cache: dict = {}
+
+
+def tp_cp_plan(wrapper) -> dict:
+    return {"accelerator": {"cp_size": 2, "tp_size": 2}, "plan_overrides": [
+        {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self", "inner_wrapper": wrapper}]}
+
+
+def apply_tp(model, mesh, *, attention: bool = True, mlp: bool = True):
+    """PyTorch TP over the cpcompile mesh's tp dimension, Megatron style."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {}
+    for i in range(len(model.model.layers)):
+        if attention:
+            styles.update({f"model.layers.{i}.self_attn.{n}": ColwiseParallel() for n in ("q_proj", "k_proj", "v_proj")})
+            styles[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        if mlp:
+            styles.update({f"model.layers.{i}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
+            styles[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh.root["tp"], styles)
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def tp_cp_errors(seed: int, wrapper, batch: dict) -> dict:
+    plan = cpcompile.load_plan(tp_cp_plan(wrapper))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    ref_logits, ref_loss, ref_grads = reference_run(lambda: tiny_qwen3(seed), batch)
+    local = cpcompile.shard_batch(batch, mesh, plan)
+    model = cpcompile.compile(apply_tp(tiny_qwen3(seed), mesh), mesh, plan, example_inputs=local)
+    out = model(**local)
+    out.loss.backward()
+    cpcompile.all_reduce_gradients(model, mesh)  # over dp_cp; a DTensor gradient's local shard
+    loss = out.loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=mesh.cp_group)
+    grads = {n: rel(full(p.grad), ref_grads[n]) for n, p in model.named_parameters() if p.grad is not None}
+    return {"logits": rel(cpcompile.unshard(out.logits.detach(), mesh, plan), ref_logits),
+            "loss": rel(loss, ref_loss), "grads": grads, "missing": sorted(set(ref_grads) - set(grads)),
+            "dtensor_grads": sum(hasattr(p.grad, "full_tensor") for p in model.parameters())}
+
+
+def _run(rank: int, world: int, seed: int) -> dict:
+    results = {}
+    for name, wrapper in WRAPPERS.items():
+        results[name, "padded"] = tp_cp_errors(seed, wrapper, random_batch(seed + 1, 2, 8, padded=True))
+    # batch 1 without padding: transformers calls SDPA with is_causal and KV at the KV-head count
+    results["all_gather", "unpadded"] = tp_cp_errors(seed, "sdpa_hf", random_batch(seed + 2, 1, 8, padded=False))
+
+    plan = cpcompile.load_plan(tp_cp_plan("sdpa_hf_ulysses"))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = cpcompile.shard_batch(random_batch(seed, 1, 8, padded=False), mesh, plan)
+
+    def ulysses_local_heads():  # 6 query heads over tp 2: 3 on each rank, not divisible by cp 2
+        cpcompile.compile(apply_tp(qwen3_with_heads(seed, 6, 2), mesh), mesh, plan, example_inputs=local)
+
+    def tp_after_compile():
+        model = cpcompile.compile(apply_tp(tiny_qwen3(seed), mesh, attention=False), mesh, plan, example_inputs=local)
+        apply_tp(model, mesh, mlp=False)
+        model(**local)
+
+    results["ulysses_local_heads"] = outcome_of(ulysses_local_heads)
+    results["tp_after_compile"] = outcome_of(tp_after_compile)
+    return results
+
+
+def results() -> list[dict]:
+    if "all" not in _cache:
+        _cache["all"] = run_distributed(_run, 4, random.randrange(1 << 30), timeout=600)
+    return _cache["all"]
+
+
+@pytest.mark.parametrize("method, padding", [(m, "padded") for m in WRAPPERS] + [("all_gather", "unpadded")])
+def test_tp2_cp2_matches_single_process(method, padding):
+    for rank_result in results():
+        got = rank_result[method, padding]
+        assert not got["missing"], f"parameters without gradient: {got['missing']}"
+        assert got["dtensor_grads"] > 0, "no parameter was tensor-parallel"
+        assert got["logits"] <= TOL, f"logits rel err {got['logits']:.3g}"
+        assert got["loss"] <= TOL, f"loss rel err {got['loss']:.3g}"
+        worst = max(got["grads"], key=got["grads"].get)
+        assert got["grads"][worst] <= TOL, f"gradient of {worst}: rel err {got['grads'][worst]:.3g}"
+
+
+def test_ulysses_counts_tp_local_heads():
+    for rank_result in results():
+        assert_fails_with("ulysses_local_heads", rank_result["ulysses_local_heads"], "CPInputError",
+                          ["3 TP-local query heads", "6 over tp_size=2", "cp_size=2", "sdpa_hf"])
+
+
+def test_tp_applied_after_compile_is_refused():
+    for rank_result in results():
+        assert_fails_with("tp_after_compile", rank_result["tp_after_compile"], "UnsupportedError",
+                          ["became a DTensor", "tensor parallelism first", "then cpcompile.compile"])
