@@ -18,6 +18,7 @@ from .context import DeclaredAttention, PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
+from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
 from .plan import Override, load_plan
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
@@ -156,11 +157,11 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
         if not covering:
             raise CoverageError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
         target = covering[0]
-        if target.override.method.core != kind:
+        if target.override.method.core not in (kind, LOCAL_CORE):  # a local_compute_fn takes over any core
             raise CoverageError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
         seen.add(target.fqn)
     for target in targets:
-        if target.fqn not in seen:
+        if target.fqn not in seen and target.override.method.core != LOCAL_CORE:
             raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
 
 
@@ -191,6 +192,8 @@ class InstalledRegion:
     def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict):
         self.target = target
         self.region = region_for(target.override.method)
+        if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
+            self.region.bind(target, mesh)
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
         self.tp_linears = find_tp_linears(target.fqn, target.module, mesh)
