@@ -68,6 +68,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     targets = resolve_targets(model, overrides)
     agree(mesh, "the plan", plan_fields(plan, targets), CPConfigError)  # before the first collective
     build_subgroups(mesh, overrides)
+    tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
     example = example_inputs if example_inputs is not None else default_example(model)
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
     check_coverage(targets, probe.core_sites)
@@ -75,7 +76,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     installs = []
     for target in targets:
         args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs))
+        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn]))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     install_layout_guard(model, LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout()))
@@ -189,14 +190,15 @@ class InstalledRegion:
     way. The graphs are kept least recently used first, at most `retrace.cache_size` of them.
     """
 
-    def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict):
+    def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict,
+                 tp_linears: list | None = None):
         self.target = target
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
             self.region.bind(target, mesh)
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
-        self.tp_linears = find_tp_linears(target.fqn, target.module, mesh)
+        self.tp_linears = tp_linears or []  # tensor-parallel linears in the region (tp.py)
         self.dump = dump
         self.retrace = retrace
         self.programs: OrderedDict[Any, RegionProgram] = OrderedDict()

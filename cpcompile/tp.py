@@ -27,6 +27,7 @@ collectives on the cp group. At call time the graph takes each DTensor parameter
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -143,11 +144,48 @@ def _tp_linear(where: str, linear: nn.Linear, mesh) -> TPLinear:
     if style is None:
         raise UnsupportedError(f"{where}: weight placement {placement} is neither Shard(0) (ColwiseParallel) "
                                "nor Shard(1) (RowwiseParallel)")
+    _check_default_layouts(where, linear, style)
     bias = linear.bias
     bias_ok = bias is None or (style == "colwise") == (getattr(bias.placements[0], "dim", None) == 0)
     if not bias_ok:
         raise UnsupportedError(f"{where}: bias placement {bias.placements[0]} does not fit a {style} linear")
     return TPLinear(where, linear, style, group.group_name, group.size())
+
+
+def _default_layouts(style: str) -> dict[str, tuple]:
+    """The arguments ColwiseParallel() / RowwiseParallel() give their hooks — (input layouts,
+    desired input layouts) and (output layouts, use_local_output) — which the local forms above
+    reproduce: replicated outside the pair, this rank's shards between, plain tensors out."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if style == "colwise":
+        return {"ColwiseParallel._prepare_input_fn": ((Replicate(),), (Replicate(),)),
+                "ColwiseParallel._prepare_output_fn": ((Shard(-1),), True)}
+    return {"RowwiseParallel._prepare_input_fn": ((Shard(-1),), (Shard(-1),)),
+            "RowwiseParallel._prepare_output_fn": ((Replicate(),), True)}
+
+
+def _hook_layouts(module: nn.Module) -> dict[str, tuple]:
+    """The layouts in `parallelize_module`'s hooks on `module`: each hook closes over a
+    `functools.partial` of the style's `_prepare_input_fn` / `_prepare_output_fn` and its layouts."""
+    found = {}
+    for hook in [*module._forward_pre_hooks.values(), *module._forward_hooks.values()]:
+        for cell in getattr(hook, "__closure__", None) or ():
+            fn = cell.cell_contents
+            if isinstance(fn, functools.partial):
+                found[getattr(fn.func, "__qualname__", "")] = fn.args
+    return found
+
+
+def _check_default_layouts(where: str, linear: nn.Linear, style: str) -> None:
+    found, expected = _hook_layouts(linear), _default_layouts(style)
+    if found != expected:
+        shown = "; ".join(f"{name.rpartition('.')[0] or '?'} {args}" for name, args in found.items()) or "no readable TP hooks"
+        raise UnsupportedError(
+            f"{where}: tensor-parallel as {shown}; inside a CP region only ColwiseParallel() and RowwiseParallel() "
+            "with their default layouts (replicated input/output, use_local_output=True) are supported: "
+            "sequence parallel and other layouts not yet"
+        )
 
 
 def _local_forward(tp: TPLinear):

@@ -29,8 +29,9 @@ def tp_cp_plan(wrapper) -> dict:
         {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self", "inner_wrapper": wrapper}]}
 
 
-def apply_tp(model, mesh, *, attention: bool = True, mlp: bool = True):
-    """PyTorch TP over the cpcompile mesh's tp dimension, Megatron style."""
+def apply_tp(model, mesh, *, attention: bool = True, mlp: bool = True, instead: dict | None = None):
+    """PyTorch TP over the cpcompile mesh's tp dimension, Megatron style (`instead`: other styles
+    for some modules)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     styles = {}
@@ -41,7 +42,7 @@ def apply_tp(model, mesh, *, attention: bool = True, mlp: bool = True):
         if mlp:
             styles.update({f"model.layers.{i}.mlp.{n}": ColwiseParallel() for n in ("gate_proj", "up_proj")})
             styles[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
-    return parallelize_module(model, mesh.root["tp"], styles)
+    return parallelize_module(model, mesh.root["tp"], {**styles, **(instead or {})})
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -84,6 +85,27 @@ def _run(rank: int, world: int, seed: int) -> dict:
         apply_tp(model, mesh, mlp=False)
         model(**local)
 
+    def sequence_parallel_output():
+        from torch.distributed.tensor import Shard
+        from torch.distributed.tensor.parallel import RowwiseParallel
+
+        sequence_parallel = {"model.layers.0.self_attn.o_proj": RowwiseParallel(output_layouts=Shard(1))}
+        cpcompile.compile(apply_tp(tiny_qwen3(seed), mesh, instead=sequence_parallel), mesh, plan, example_inputs=local)
+
+    def replicated_norm():
+        from torch.distributed.tensor import distribute_module
+
+        model = apply_tp(tiny_qwen3(seed), mesh)
+        distribute_module(model.model.layers[0].self_attn.q_norm, mesh.root["tp"])
+        cpcompile.compile(model, mesh, plan, example_inputs=local)
+
+    def other_mesh():  # TP over the cp dimension instead of tp
+        cpcompile.compile(apply_tp(tiny_qwen3(seed), type("M", (), {"root": {"tp": mesh.root["cp"]}})()),
+                          mesh, plan, example_inputs=local)
+
+    results["sequence_parallel_output"] = outcome_of(sequence_parallel_output)
+    results["replicated_norm"] = outcome_of(replicated_norm)
+    results["other_mesh"] = outcome_of(other_mesh)
     results["ulysses_local_heads"] = outcome_of(ulysses_local_heads)
     results["tp_after_compile"] = outcome_of(tp_after_compile)
     return results
@@ -117,3 +139,14 @@ def test_tp_applied_after_compile_is_refused():
     for rank_result in results():
         assert_fails_with("tp_after_compile", rank_result["tp_after_compile"], "UnsupportedError",
                           ["became a DTensor", "tensor parallelism first", "then cpcompile.compile"])
+
+
+@pytest.mark.parametrize("name, error, words", [
+    ("sequence_parallel_output", "UnsupportedError",
+     ["model.layers.0.self_attn.o_proj", "RowwiseParallel", "default layouts", "sequence parallel"]),
+    ("replicated_norm", "UnsupportedError", ["model.layers.0.self_attn.q_norm", "Qwen3RMSNorm", "only nn.Linear"]),
+    ("other_mesh", "CPConfigError", ["model.layers.0.self_attn.q_proj", "not this rank's tp group", "mesh.root['tp']"]),
+])
+def test_tp_layout_cpcompile_cannot_trace_is_refused(name, error, words):
+    for rank_result in results():
+        assert_fails_with(name, rank_result[name], error, words)
