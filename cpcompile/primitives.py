@@ -22,14 +22,15 @@ from __future__ import annotations
 import torch
 
 from . import collectives as C
+from .errors import CPInputError
 from .loss import global_mean_loss
 
 __all__ = ["all_gather_sequence", "gather_key_padding", "global_mean_loss", "global_positions", "heads_to_sequence",
            "query_offset", "sequence_to_heads"]
 
 
-def _group(cp) -> tuple[int, int, str]:
-    return cp.cp_size, cp.cp_rank, cp.cp_group_name
+def _group(cp) -> tuple[int, str]:
+    return cp.cp_size, cp.cp_group_name
 
 
 def _waited(launch: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,7 @@ def _waited(launch: torch.Tensor) -> torch.Tensor:
 
 def all_gather_sequence(x: torch.Tensor, cp, seq_dim: int) -> torch.Tensor:
     """`x` of every cp rank concatenated along `seq_dim`, rank 0's block first."""
-    size, _, group = _group(cp)
+    size, group = _group(cp)
     seq_dim = seq_dim % x.dim()
     front = x.movedim(seq_dim, 0).contiguous()  # all-gather concatenates along dim 0, in rank order
     return _waited(C.ALL_GATHER(front, size, group)).movedim(0, seq_dim)
@@ -47,10 +48,10 @@ def all_gather_sequence(x: torch.Tensor, cp, seq_dim: int) -> torch.Tensor:
 def sequence_to_heads(x: torch.Tensor, cp) -> torch.Tensor:
     """Ulysses: `[B, H, S/cp, D]` (this rank's tokens, every head) → `[B, H/cp, S, D]` (every
     token, this rank's heads: rank r gets heads r·H/cp ...). H must divide by cp."""
-    size, _, group = _group(cp)
+    size, group = _group(cp)
     batch, heads, length, dim = x.shape
     if heads % size:
-        raise ValueError(f"sequence_to_heads: {heads} heads do not split over cp_size={size}")
+        raise CPInputError(f"sequence_to_heads: {heads} heads do not split over cp_size={size}")
     parts = x.reshape(batch, size, heads // size, length, dim).movedim(1, 0).contiguous()
     received = _waited(C.ALL_TO_ALL(parts, [1] * size, [1] * size, group))  # [sender, B, H/cp, S/cp, D]
     return received.movedim(0, 2).reshape(batch, heads // size, size * length, dim)
@@ -58,7 +59,7 @@ def sequence_to_heads(x: torch.Tensor, cp) -> torch.Tensor:
 
 def heads_to_sequence(x: torch.Tensor, cp) -> torch.Tensor:
     """The inverse of `sequence_to_heads`: `[B, H/cp, S, D]` → `[B, H, S/cp, D]`."""
-    size, _, group = _group(cp)
+    size, group = _group(cp)
     batch, heads, length, dim = x.shape
     parts = x.reshape(batch, heads, size, length // size, dim).movedim(2, 0).contiguous()
     received = _waited(C.ALL_TO_ALL(parts, [1] * size, [1] * size, group))  # [sender, B, H/cp, S/cp, D]
@@ -77,5 +78,5 @@ def global_positions(local_len: int, cp, device=None) -> torch.Tensor:
 
 def gather_key_padding(mask: torch.Tensor, cp) -> torch.Tensor:
     """Every rank's `[B, S/cp]` key-padding mask, joined in global order: `[B, S]` (no gradient)."""
-    size, _, group = _group(cp)
+    size, group = _group(cp)
     return C.WAIT(torch.ops._c10d_functional.all_gather_into_tensor(mask.t().contiguous(), size, group)).t()

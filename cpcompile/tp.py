@@ -120,7 +120,7 @@ def find_tp_linears(fqn: str, module: nn.Module, mesh) -> list[TPLinear]:
         if not isinstance(sub, nn.Linear) or not is_dtensor(sub.weight):
             raise UnsupportedError(
                 f"{where}: a {type(sub).__name__} with DTensor parameters ({', '.join(n for n, _ in own)}) inside a CP "
-                "region; only nn.Linear under ColwiseParallel/RowwiseParallel can be tensor-parallel there"
+                f"region; only nn.Linear under ColwiseParallel/RowwiseParallel can be tensor-parallel there ({ORDERING_RULE})"
             )
         found.append(_tp_linear(where, sub, mesh))
     return found
@@ -134,7 +134,10 @@ def _tp_linear(where: str, linear: nn.Linear, mesh) -> TPLinear:
                                "a CP region takes tensor parallelism over the 1-D tp mesh only")
     expected = tp_group_ranks(mesh)
     group = weight.device_mesh.get_group()
-    if expected is None or dist.get_process_group_ranks(group) != expected:
+    if expected is None:
+        raise UnsupportedError(f"{where}: weight is a DTensor {placements} but the mesh has tp_size=1 (FSDP applied "
+                               f"before compile?); {ORDERING_RULE}")
+    if dist.get_process_group_ranks(group) != expected:
         raise CPConfigError(
             f"{where}: weight is sharded over ranks {dist.get_process_group_ranks(group)}, not this rank's tp "
             f"group of the cpcompile mesh ({expected}); parallelize over mesh.root['tp']"

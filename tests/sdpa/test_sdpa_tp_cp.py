@@ -103,6 +103,17 @@ def _run(rank: int, world: int, seed: int) -> dict:
         cpcompile.compile(apply_tp(tiny_qwen3(seed), type("M", (), {"root": {"tp": mesh.root["cp"]}})()),
                           mesh, plan, example_inputs=local)
 
+    def fsdp_before_compile():  # no TP: dp_shard 2 x cp 2, fully_shard first
+        from torch.distributed.fsdp import fully_shard
+
+        dp_plan = cpcompile.load_plan(dict(tp_cp_plan("sdpa_hf"), accelerator={"cp_size": 2, "dp_shard_size": 2}))
+        dp_mesh = cpcompile.build_mesh(dp_plan.accelerator, device_type="cpu")
+        model = tiny_qwen3(seed)
+        fully_shard(model, mesh=dp_mesh.dp_cp)
+        cpcompile.compile(model, dp_mesh, dp_plan, example_inputs=cpcompile.shard_batch(batch, dp_mesh, dp_plan))
+
+    batch = random_batch(seed, 1, 8, padded=False)
+    results["fsdp_before_compile"] = outcome_of(fsdp_before_compile)
     results["sequence_parallel_output"] = outcome_of(sequence_parallel_output)
     results["replicated_norm"] = outcome_of(replicated_norm)
     results["other_mesh"] = outcome_of(other_mesh)
@@ -145,8 +156,9 @@ def test_tp_applied_after_compile_is_refused():
     ("sequence_parallel_output", "UnsupportedError",
      ["model.layers.0.self_attn.o_proj", "RowwiseParallel", "default layouts", "sequence parallel"]),
     ("replicated_norm", "UnsupportedError", ["model.layers.0.self_attn.q_norm", "Qwen3RMSNorm", "only nn.Linear"]),
+    ("fsdp_before_compile", "UnsupportedError", ["q_proj", "tp_size=1", "FSDP applied before compile", "then FSDP"]),
     ("other_mesh", "CPConfigError", ["model.layers.0.self_attn.q_proj", "not this rank's tp group", "mesh.root['tp']"]),
 ])
-def test_tp_layout_cpcompile_cannot_trace_is_refused(name, error, words):
+def test_dtensor_layout_cpcompile_cannot_trace_is_refused(name, error, words):
     for rank_result in results():
         assert_fails_with(name, rank_result[name], error, words)
