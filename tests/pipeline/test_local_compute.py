@@ -17,9 +17,10 @@ import pytest
 import torch
 
 import cpcompile
-from cp_harness import assert_fails_with, outcome_of
+from cp_harness import QKVHolder, assert_fails_with, outcome_of
 from cpcompile.primitives import (
-    all_gather_sequence, gather_key_padding, global_mean_loss, global_positions, heads_to_sequence, sequence_to_heads,
+    all_gather_sequence, gather_key_padding, global_mean_loss, global_positions, heads_to_sequence, query_offset,
+    sequence_to_heads,
 )
 from dist_utils import run_distributed
 
@@ -45,6 +46,31 @@ def missing_value(module, q, k, *, cp):  # the region is called with q, k and v
 @cpcompile.local_compute_fn(collectives=False)
 def gathers_but_says_not(module, q, k, v, *, cp):
     return module.attend(q, all_gather_sequence(k, cp, 2), all_gather_sequence(v, cp, 2), 0)
+
+
+@cpcompile.local_compute_fn
+def sdpa_with_gathered_keys(module, q, k, v, *, cp):
+    """Takes over an SDPA core: cpcompile must not rewrite the SDPA call inside it again."""
+    keys, values = all_gather_sequence(k, cp, seq_dim=2), all_gather_sequence(v, cp, seq_dim=2)
+    first = query_offset(q.shape[2], cp)
+    visible = torch.arange(keys.shape[2])[None, :] <= torch.arange(first, first + q.shape[2])[:, None]
+    return torch.nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=visible)
+
+
+def _sdpa_core(rank: int, world: int, seed: int) -> dict:
+    """A local_compute_fn covering an SDPA core (QKVHolder's `core`) equals plain causal SDPA."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 4 * world, 8, generator=gen) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    plan = cpcompile.load_plan({"accelerator": {"cp_size": world}, "plan_overrides": [
+        {"match": "core", "when": "cp", "region_dispatch": False, "local_compute_fn": sdpa_with_gathered_keys}]})
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = tuple(t.chunk(world, dim=2)[rank].contiguous() for t in (q, k, v))
+    holder = cpcompile.compile(QKVHolder(), mesh, plan, example_inputs=local)
+    got = holder(*local)
+    sdpa_calls = [n for n in next(iter(holder.core.forward.programs.values())).gm.graph.nodes
+                  if "scaled_dot_product" in str(n.target)]
+    return {"error": (got - want.chunk(world, dim=2)[rank]).abs().max().item(), "sdpa_calls": len(sdpa_calls)}
 
 
 def not_decorated(module, q, k, v, *, cp):
@@ -94,6 +120,7 @@ def _run(rank: int, world: int, seed: int, dump_root: str) -> dict:
         "async": ex.compare({"_target_": "custom_local_compute.cp_hand_attention", "asynchronous": True}, seed=seed,
                             dump_dir=dump_root),
         "primitives": _primitives(rank, world, seed),
+        "sdpa_core": _sdpa_core(rank, world, seed),
     }
     with open(os.path.join(dump_root, "summary.json")) as f:
         results["async_schedule"] = [c for r in json.load(f)["regions"] for c in r["schedule"]]
@@ -135,6 +162,12 @@ def test_hand_written_attention_matches_single_process(variant, tmp_path_factory
         assert got["output"] <= TOL, f"output rel err {got['output']:.3g}"
         worst = max(got["grads"], key=got["grads"].get)
         assert got["grads"][worst] <= TOL, f"gradient of {worst}: rel err {got['grads'][worst]:.3g}"
+
+
+def test_local_compute_fn_takes_over_an_sdpa_core(tmp_path_factory):
+    for rank_result in results(tmp_path_factory):
+        assert rank_result["sdpa_core"]["error"] <= 1e-6, rank_result["sdpa_core"]
+        assert rank_result["sdpa_core"]["sdpa_calls"] == 1  # the user's call, not rewritten into CP kernels
 
 
 def test_async_local_compute_overlaps_a_gather(tmp_path_factory):

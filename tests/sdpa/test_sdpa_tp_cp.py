@@ -162,3 +162,15 @@ def test_tp_applied_after_compile_is_refused():
 def test_dtensor_layout_cpcompile_cannot_trace_is_refused(name, error, words):
     for rank_result in results():
         assert_fails_with(name, rank_result[name], error, words)
+
+
+def _opcheck(rank: int, world: int) -> None:
+    import cpcompile.tp  # noqa: F401  (registers the ops)
+
+    x = torch.randn(3, 4, requires_grad=True)
+    for op in (torch.ops.cpcompile.tp_copy, torch.ops.cpcompile.tp_reduce):
+        torch.library.opcheck(op, (x, torch.distributed.group.WORLD.group_name))
+
+
+def test_tp_custom_ops_pass_opcheck():
+    run_distributed(_opcheck, 1, timeout=120)
