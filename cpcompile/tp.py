@@ -37,6 +37,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .errors import CPConfigError, UnsupportedError
+from .passes.graph_utils import Emitter
 
 ORDERING_RULE = "apply tensor parallelism first (parallelize_module over mesh.root['tp']), then cpcompile.compile, then FSDP"
 
@@ -258,8 +259,6 @@ def full_gradients_for_replicated_params(gm, program, group_name: str):
     use reads the parameter through `tp_copy` (identity forward, gradient all-reduced over tp),
     while uses on replicated values (before a colwise or after a rowwise linear) stay direct.
     """
-    from .passes.graph_utils import Emitter
-
     tp_state = program.tp_state
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     local = {placeholders[i] for i in tp_state}

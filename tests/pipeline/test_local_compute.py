@@ -114,6 +114,7 @@ def _primitives(rank: int, world: int, seed: int) -> dict:
 
 def _run(rank: int, world: int, seed: int, dump_root: str) -> dict:
     ex = example()
+    dump_root = os.path.join(dump_root, f"rank{rank}")  # one dump per rank: both write summary.json
     results = {
         "all_gather": ex.compare(ex.cp_hand_attention, seed=seed),
         "ulysses": ex.compare(ex.cp_hand_attention_ulysses, seed=seed),
