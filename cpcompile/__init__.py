@@ -13,7 +13,9 @@ from .errors import (
 )
 from .loss import all_reduce_gradients, global_mean_loss
 from .mesh import CPMesh, build_mesh
+from . import primitives
 from .methods import CPMethod, allow_wrapper_module, inner_wrapper, register_inner_wrapper
+from .methods.local_compute import local_compute_fn
 from .pipeline import compile
 from .plan import AcceleratorConfig, Override, Plan, load_plan
 
@@ -21,7 +23,8 @@ __all__ = [
     "AcceleratorConfig", "AlreadyCompiledError", "CPCompileError", "CPConfigError", "CPInputError", "CPMesh",
     "CPMethod", "CoverageError", "GDNCapabilityError", "MissingDependencyError", "Override", "Plan", "PlanError",
     "UnsupportedError", "UnsupportedMaskError", "VerificationError", "all_reduce_gradients", "allow_wrapper_module",
-    "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "register_inner_wrapper",
+    "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "local_compute_fn", "primitives",
+    "register_inner_wrapper",
     "shard_batch", "unshard",
 ]
 __version__ = "0.1.0"

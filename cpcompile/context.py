@@ -54,6 +54,7 @@ class PassContext:
     group_name: str
     mesh: Any = None  # the CPMesh, for methods that need sub-groups (built before any trace)
     declared: DeclaredAttention = DeclaredAttention()  # the region adapter reads it off the modules
+    tp_size: int = 1  # tensor-parallel ranks the region's heads are split over (tp.py); 1 without TP
     example_inputs: list[Any] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)

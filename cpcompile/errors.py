@@ -10,7 +10,7 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | `CoverageError` | ValueError | an attention core lies in no region, or a region runs no core of its method's kind |
 | `CPInputError` | ValueError | a model, call, batch, wrapper parameter or kernel input CP cannot serve |
 | `UnsupportedMaskError` | ValueError | an attention mask other than causal∧key-padding or key-padding alone |
-| `UnsupportedError` | NotImplementedError | a combination not supported yet (TP/PP/EP with CP), or no registered method |
+| `UnsupportedError` | NotImplementedError | a combination not supported yet (PP/EP with CP, TP with GDN, TP applied after compile), or no registered method |
 | `AlreadyCompiledError` | RuntimeError | a module is compiled a second time |
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
 | `VerificationError` | RuntimeError | a CP run differs from its reference beyond its tolerance (`train` with `verify: true`) |

@@ -76,7 +76,8 @@ def all_reduce_gradients(model: torch.nn.Module, mesh: Any, *, bucket_numel: int
         raise RuntimeError(
             f"all_reduce_gradients: ranks disagree on which parameters have gradients: {mixed[:8]}"
         )
-    grads = [p.grad for _, p in named if p.grad is not None]
+    # a tensor-parallel parameter's gradient is a DTensor: reduce its local shard in place
+    grads = [local_tensor(p.grad) for _, p in named if p.grad is not None]
     for bucket in _buckets(grads, bucket_numel):
         flat = torch.cat([g.reshape(-1) for g in bucket])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
@@ -84,6 +85,12 @@ def all_reduce_gradients(model: torch.nn.Module, mesh: Any, *, bucket_numel: int
         for g in bucket:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard (sharing its storage), else `t`."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def _buckets(grads: list[torch.Tensor], bucket_numel: int):

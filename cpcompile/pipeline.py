@@ -18,9 +18,11 @@ from .context import DeclaredAttention, PassContext
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
+from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
 from .plan import Override, load_plan
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
+from .tp import check_tp_applied, find_tp_linears, full_gradients_for_replicated_params, local_tp_view, tp_size
 
 log = logging.getLogger("cpcompile")
 
@@ -60,11 +62,13 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     if not overrides:
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
         return model
-    reject_unsupported_combinations(plan)
+    reject_unsupported_combinations(plan, overrides)
+    check_tp_applied(model, plan.accelerator.tp_size)
     plan.layout()  # one batch has one sequence layout: refuse overrides that need different ones
     targets = resolve_targets(model, overrides)
     agree(mesh, "the plan", plan_fields(plan, targets), CPConfigError)  # before the first collective
     build_subgroups(mesh, overrides)
+    tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
     example = example_inputs if example_inputs is not None else default_example(model)
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
     check_coverage(targets, probe.core_sites)
@@ -72,7 +76,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     installs = []
     for target in targets:
         args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs))
+        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn]))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     install_layout_guard(model, LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout()))
@@ -95,9 +99,17 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
     model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def reject_unsupported_combinations(plan) -> None:
+def reject_unsupported_combinations(plan, overrides) -> None:
     for name, size in plan.accelerator.not_with_cp():
         raise UnsupportedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
+    tp_size = plan.accelerator.tp_size
+    for override in overrides:
+        if tp_size > 1 and override.method is not None and override.method.core == "gdn":
+            raise UnsupportedError(
+                f"{override.field('inner_wrapper')}: accelerator.tp_size={tp_size} with a Gated DeltaNet CP method "
+                f"({override.method.describe()}): TP+CP on GDN layers is out of scope (the GDN RFC refuses it: its CP "
+                "methods split or chain the recurrent state of the whole layer's heads); set tp_size: 1"
+            )
 
 
 def build_subgroups(mesh, overrides: list[Override]) -> None:
@@ -146,11 +158,11 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
         if not covering:
             raise CoverageError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
         target = covering[0]
-        if target.override.method.core != kind:
+        if target.override.method.core not in (kind, LOCAL_CORE):  # a local_compute_fn takes over any core
             raise CoverageError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
         seen.add(target.fqn)
     for target in targets:
-        if target.fqn not in seen:
+        if target.fqn not in seen and target.override.method.core != LOCAL_CORE:
             raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
 
 
@@ -178,11 +190,15 @@ class InstalledRegion:
     way. The graphs are kept least recently used first, at most `retrace.cache_size` of them.
     """
 
-    def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict):
+    def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict,
+                 tp_linears: list | None = None):
         self.target = target
         self.region = region_for(target.override.method)
+        if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
+            self.region.bind(target, mesh)
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
+        self.tp_linears = tp_linears or []  # tensor-parallel linears in the region (tp.py)
         self.dump = dump
         self.retrace = retrace
         self.programs: OrderedDict[Any, RegionProgram] = OrderedDict()
@@ -228,10 +244,13 @@ class InstalledRegion:
         self._agree_on(args, kwargs)
         self.traces += 1
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
-        ep = trace_region(target.module, self.region.forward, args, kwargs)
+        with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
+            ep = trace_region(target.module, self.region.forward, args, kwargs)
         if ep.call_spec.in_spec != key[0]:
             raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
-        program = RegionProgram.from_export(ep, target.module)
+        program = RegionProgram.from_export(ep, target.module, target.fqn, frozenset(t.module for t in self.tp_linears))
+        if self.tp_linears:
+            program.gm = full_gradients_for_replicated_params(program.gm, program, self.tp_linears[0].group_name)
         ctx = PassContext(
             fqn=target.fqn,
             method=target.override.method,
@@ -240,6 +259,7 @@ class InstalledRegion:
             group_name=self.mesh.cp_group_name,
             mesh=self.mesh,
             declared=self.declared,
+            tp_size=tp_size(self.tp_linears),
             example_inputs=program.flat_inputs(leaves),
         )
         variant = self.traces - 1

@@ -14,8 +14,9 @@ What a plan may *not* do, on purpose:
 - grow without bound: a YAML file above `MAX_YAML_BYTES`, or whose aliases expand it beyond
   `MAX_YAML_NODES` nodes, is refused, and the values an error shows are cut short (`short_repr`).
 
-`local_compute_fn` is parsed but not supported yet: an override that uses it is rejected with
-"local_compute_fn is not supported yet; use inner_wrapper".
+`local_compute_fn` names a function registered with `@cpcompile.local_compute_fn` (never together
+with `inner_wrapper`); it resolves to a `CPMethod` of the `local` core (methods/local_compute.py).
+`region_dispatch` must be false, except for a local compute function declared without collectives.
 
 Other modules that read YAML the same way (`train.py`) use the public helpers `read_yaml`,
 `reject_unknown_keys` and `check_size`, and `AcceleratorConfig.not_with_cp` for the
@@ -34,6 +35,7 @@ import yaml
 
 from .errors import PlanError, short_repr
 from .methods import CONTIGUOUS, CPMethod, methods_of_core
+from .methods.local_compute import LOCAL_CORE, local_compute_method, registered_local_compute
 from .methods import names as wrapper_names
 
 logger = logging.getLogger("cpcompile")
@@ -41,7 +43,7 @@ logger = logging.getLogger("cpcompile")
 TOP_LEVEL_KEYS = ("accelerator", "plan_overrides")
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "ep_size", "pp_size")
 DP_SIZE_KEYS = ("dp_replicate_size", "dp_shard_size")
-NOT_WITH_CP = ("tp_size", "pp_size", "ep_size")  # parallelisms cpcompile cannot combine with CP yet
+NOT_WITH_CP = ("pp_size", "ep_size")  # parallelisms cpcompile cannot combine with CP yet
 FLAG_KEYS = ("sequence_parallel", "loss_parallel")
 LEGACY_CP_KEYS = ("algorithm", "schedule", "ulysses_degree", "load_balance", "async_fallback")
 OVERRIDE_KEYS = ("match", "when", "region_dispatch", "inner_target", "inner_wrapper", "local_compute_fn")
@@ -53,11 +55,12 @@ _LEGACY_HINT = (
     "plan_overrides[].inner_wrapper (a registered name such as 'sdpa_hf', or "
     "{_target_: <marked wrapper>, <its own parameters, e.g. ulysses_degree>})"
 )
+BOTH_SET = "exactly one of inner_wrapper / local_compute_fn is required (both are set)"
+NEITHER_SET = "exactly one of inner_wrapper / local_compute_fn is required (neither is set)"
 _REGION_DISPATCH_HINT = (
     "must be exactly false for a CP override: CP wrappers own their communication, so the "
     "region must not be dispatched again"
 )
-LOCAL_COMPUTE_FN_UNSUPPORTED = "local_compute_fn is not supported yet; use inner_wrapper"
 
 # A plan or a train config is a few hundred bytes and a few dozen nodes; these bounds leave room
 # for hundreds of overrides while keeping what a hostile file can cost small.
@@ -93,10 +96,10 @@ class AcceleratorConfig:
         )
 
     def not_with_cp(self, *, include_dp: bool = False) -> list[tuple[str, int]]:
-        """(field, size) of every parallelism set beside CP that cannot run with it: TP, PP and EP
-        (`compile` refuses them); `include_dp` adds the data-parallel sizes, for `cpcompile train`,
-        whose loop runs context parallelism only."""
-        keys = (DP_SIZE_KEYS if include_dp else ()) + NOT_WITH_CP
+        """(field, size) of every parallelism set beside CP that cannot run with it: PP and EP
+        (`compile` refuses them); `include_dp` adds the data- and tensor-parallel sizes, for
+        `cpcompile train`, whose loop runs context parallelism only."""
+        keys = (DP_SIZE_KEYS + ("tp_size",) if include_dp else ()) + NOT_WITH_CP
         return [(key, getattr(self, key)) for key in keys if getattr(self, key) > 1]
 
     def validate(self) -> "AcceleratorConfig":
@@ -125,18 +128,17 @@ class Override:
     def validate(self) -> "Override":
         _check_match(self.field("match"), self.match)
         _check_when(self.field("when"), self.when)
-        _check_region_dispatch(self.field("region_dispatch"), self.region_dispatch)
         _check_inner_target(self.field("inner_target"), self.inner_target)
-        has_method = self.method is not None
-        has_fn = self.local_compute_fn is not None
-        if has_method == has_fn:
-            raise PlanError(
-                self.field("inner_wrapper"),
-                "exactly one of inner_wrapper / local_compute_fn is required"
-                + (" (both are set)" if has_method else " (neither is set)"),
-            )
-        if has_fn:
-            _check_local_compute_fn(self.field("local_compute_fn"), self.local_compute_fn)
+        if self.local_compute_fn is not None:
+            if self.method is None:  # built in Python with the function's path only: resolve it once
+                method = _resolve_local_compute(self.field("local_compute_fn"), self.local_compute_fn, self.region_dispatch)
+                object.__setattr__(self, "method", method)  # frozen: the resolved method is part of the override
+            elif self.method.core != LOCAL_CORE:
+                raise PlanError(self.field("inner_wrapper"), BOTH_SET)
+            return self
+        _check_region_dispatch(self.field("region_dispatch"), self.region_dispatch)
+        if self.method is None:
+            raise PlanError(self.field("inner_wrapper"), NEITHER_SET)
         if not isinstance(self.method, CPMethod):
             raise PlanError(
                 self.field("inner_wrapper"),
@@ -366,24 +368,41 @@ def _parse_override(index: int, raw: Any) -> Override:
     _check_when(f"{path}.when", raw["when"])
     if "region_dispatch" not in raw:
         raise PlanError(f"{path}.region_dispatch", f"is required; it {_REGION_DISPATCH_HINT}")
-    _check_region_dispatch(f"{path}.region_dispatch", raw["region_dispatch"])
     inner_target = raw.get("inner_target", "self")
     _check_inner_target(f"{path}.inner_target", inner_target)
 
     has_wrapper, has_fn = "inner_wrapper" in raw, "local_compute_fn" in raw
     if has_wrapper == has_fn:
-        raise PlanError(
-            f"{path}.inner_wrapper",
-            "exactly one of inner_wrapper / local_compute_fn is required"
-            + (" (both are set)" if has_wrapper else " (neither is set)"),
-        )
+        raise PlanError(f"{path}.inner_wrapper", BOTH_SET if has_wrapper else NEITHER_SET)
     if has_fn:
-        _check_local_compute_fn(f"{path}.local_compute_fn", raw["local_compute_fn"])
+        spec = raw["local_compute_fn"]
+        method = _resolve_local_compute(f"{path}.local_compute_fn", spec, raw["region_dispatch"])
+        return Override(match=raw["match"], when=raw["when"], region_dispatch=raw["region_dispatch"],
+                        inner_target=inner_target, method=method, local_compute_fn=method.wrapper, index=index)
+    _check_region_dispatch(f"{path}.region_dispatch", raw["region_dispatch"])
     method = _resolve_inner_wrapper(f"{path}.inner_wrapper", raw["inner_wrapper"])
     return Override(
         match=raw["match"], when=raw["when"], region_dispatch=False,
         inner_target=inner_target, method=method, local_compute_fn=None, index=index,
     )
+
+
+def _resolve_local_compute(path: str, spec: Any, region_dispatch: Any) -> CPMethod:
+    """The `CPMethod` of a registered local compute function; its region_dispatch rule."""
+    try:
+        found, params = registered_local_compute(spec)
+    except ValueError as exc:
+        raise PlanError(path, str(exc)) from exc
+    if region_dispatch is True and found.collectives:
+        raise PlanError(
+            path.rpartition(".")[0] + ".region_dispatch",
+            f"is true, but local_compute_fn {found.path} has collectives (the default of @cpcompile.local_compute_fn); "
+            "a local compute with collectives requires region_dispatch: false, so the region is not dispatched again; "
+            "declare @cpcompile.local_compute_fn(collectives=False) only for a function that communicates with no rank",
+        )
+    if region_dispatch is not True:
+        _check_region_dispatch(path.rpartition(".")[0] + ".region_dispatch", region_dispatch)
+    return local_compute_method(found, params)
 
 
 def _resolve_inner_wrapper(path: str, spec: Any) -> CPMethod:
@@ -513,12 +532,6 @@ def _check_inner_target(path: str, value: Any) -> None:
     if not all(p and (p.isidentifier() or p.isdigit()) for p in parts):
         raise PlanError(path, "must be 'self' or a dotted submodule path like 'core_attention', "
                               f"got {short_repr(value)}")
-
-
-def _check_local_compute_fn(path: str, value: Any) -> None:
-    if not isinstance(value, str) or not value:
-        raise PlanError(path, f"must be a dotted path string, got {short_repr(value)}")
-    raise PlanError(path, LOCAL_COMPUTE_FN_UNSUPPORTED)
 
 
 def _check_unique_matches(overrides: tuple[Override, ...]) -> None:

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
 from .errors import CPConfigError, UnsupportedError
+from .tp import live_local
 
 log = logging.getLogger("cpcompile")
 
@@ -122,14 +123,19 @@ class RegionProgram:
     `state` lists, for each leading placeholder, where its value lives at call time: an
     (owning submodule, attribute name) pair read on every call — so a later FSDP2
     `fully_shard`, which swaps parameters on their modules, still works — or a constant.
+    `tp_state` holds the indices of tensor-parallel parameters, which the graph was traced with
+    as local shards (`tp.py`): it takes their `to_local()`.
     """
 
     gm: fx.GraphModule
     state: list[tuple[nn.Module, str] | torch.Tensor]
     out_spec: pytree.TreeSpec
+    fqn: str = ""
+    tp_state: frozenset[int] = frozenset()
 
     @classmethod
-    def from_export(cls, ep: torch.export.ExportedProgram, module: nn.Module) -> "RegionProgram":
+    def from_export(cls, ep: torch.export.ExportedProgram, module: nn.Module, fqn: str = "",
+                    tp_modules: frozenset[nn.Module] = frozenset()) -> "RegionProgram":
         state = []
         for spec in ep.graph_signature.input_specs:
             if spec.kind == InputKind.USER_INPUT:
@@ -141,10 +147,12 @@ class RegionProgram:
                 state.append(ep.constants[spec.target])
             else:
                 raise UnsupportedError(f"unsupported exported input kind {spec.kind}")
-        return cls(ep.graph_module, state, ep.call_spec.out_spec)
+        tp_state = frozenset(i for i, ref in enumerate(state) if isinstance(ref, tuple) and ref[0] in tp_modules)
+        return cls(ep.graph_module, state, ep.call_spec.out_spec, fqn, tp_state)
 
     def flat_inputs(self, leaves: list[Any]) -> list[Any]:
-        live = [getattr(*ref) if isinstance(ref, tuple) else ref for ref in self.state]
+        live = [live_local(getattr(*ref), self.fqn, ref[1], i in self.tp_state) if isinstance(ref, tuple) else ref
+                for i, ref in enumerate(self.state)]
         return live + list(leaves)
 
     def __call__(self, leaves: list[Any]) -> Any:

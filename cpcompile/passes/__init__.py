@@ -5,6 +5,7 @@ Passes are plain functions `name_pass(gm, ctx) -> gm`, run in this order:
 1. `find_cores_pass`   — the region holds the core kind its method rewrites (checks.py)
 2. `sdpa_rewrite_pass` — SDPA cores → collectives + local attention (sdpa/)
    `gdn_rewrite_pass`  — GDN layers → conv halo + Ulysses / state chain / state gather (gdn/)
+   `local_compute_pass` — a user's `local_compute_fn`: its collectives recorded and checked
 3. `schedule_pass`     — async methods: one priority-ordered topological sort puts each launch
                          after its last producer and its wait before its first consumer, then
                          refuses a collective or attention with nothing to overlap (schedule.py)
@@ -23,13 +24,16 @@ import torch.fx as fx
 from ..context import PassContext
 from .checks import find_cores_pass, verify_pass
 from .gdn import gdn_rewrite_pass
+from .local_compute import local_compute_pass
 from .schedule import schedule_pass
 from .sdpa import sdpa_rewrite_pass
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
-PIPELINE: tuple[Pass, ...] = (find_cores_pass, sdpa_rewrite_pass, gdn_rewrite_pass, schedule_pass, verify_pass)
+PIPELINE: tuple[Pass, ...] = (
+    find_cores_pass, sdpa_rewrite_pass, gdn_rewrite_pass, local_compute_pass, schedule_pass, verify_pass,
+)
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, on_pass=None) -> fx.GraphModule:

@@ -201,7 +201,7 @@ def errors():
     ("packed", "CPInputError", ["cu_seq_lens_q", "packed"]),
     ("shorter_than_halo", "CPInputError", ["local sequence length 2", "conv halo (3 tokens)"]),
     ("twice", "AlreadyCompiledError", ["already compiled"]),
-    ("tp_with_gdn", "UnsupportedError", ["tp_size=2"]),
+    ("tp_with_gdn", "UnsupportedError", ["tp_size=2", "Gated DeltaNet", "out of scope"]),
     ("uncovered_gdn", "CoverageError", ["model.layers.1.linear_attn", "not covered"]),
     ("sdpa_method_on_gdn", "CoverageError", ["runs a gdn core", "sdpa"]),
     ("all_gather_triton", "PlanError", ["State-AllGather", "eager"]),

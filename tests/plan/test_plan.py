@@ -302,9 +302,10 @@ def test_wrapper_and_local_compute_fn_exclusive():
                   "exactly one of", "both")
 
 
-def test_local_compute_fn_not_supported_yet():
+def test_local_compute_fn_must_be_registered():
     _assert_error(_plan(_override(inner_wrapper=_DROP, local_compute_fn="my_project.cp.compute")),
-                  "plan_overrides[0].local_compute_fn", "not supported yet", "use inner_wrapper")
+                  "plan_overrides[0].local_compute_fn", "'my_project.cp.compute' is not a registered local compute",
+                  "@cpcompile.local_compute_fn")
 
 
 def test_local_compute_fn_must_be_string():
@@ -312,9 +313,9 @@ def test_local_compute_fn_must_be_string():
                   "plan_overrides[0].local_compute_fn", "dotted path string")
 
 
-def test_local_compute_fn_refused_in_python_plan():
+def test_unregistered_local_compute_fn_refused_in_python_plan():
     _assert_error(Plan(AcceleratorConfig(), (Override("a", "cp", False, local_compute_fn="m.f"),)),
-                  "plan_overrides[0].local_compute_fn", "not supported yet")
+                  "plan_overrides[0].local_compute_fn", "not a registered local compute function")
 
 
 def test_duplicate_match_is_ambiguous():

@@ -67,8 +67,8 @@ def kv_replicas(ctx: PassContext, label: str, degree: int, q_heads: int, kv_head
     """
     if q_heads % degree:
         raise CPInputError(
-            f"{ctx.fqn}: {label} splits attention heads over {degree} ranks, but the module has "
-            f"{q_heads} query heads ({q_heads} % {degree} != 0); use the AllGather wrapper (sdpa_hf), "
+            f"{ctx.fqn}: {label} splits attention heads over {degree} ranks (cp_size={ctx.cp_size}), but the module has "
+            f"{heads_on_rank(ctx, q_heads, 'query')} ({q_heads} % {degree} != 0); use the AllGather wrapper (sdpa_hf), "
             "which has no head constraint"
         )
     if kv_heads % degree == 0:
@@ -79,10 +79,17 @@ def kv_replicas(ctx: PassContext, label: str, degree: int, q_heads: int, kv_head
                        "before the all-to-all")
         return replicas
     raise CPInputError(
-        f"{ctx.fqn}: {label} splits attention heads over {degree} ranks, but the module has "
-        f"{kv_heads} KV heads: neither divisible by {degree} nor a divisor of it, so they can't be "
+        f"{ctx.fqn}: {label} splits attention heads over {degree} ranks (cp_size={ctx.cp_size}), but the module has "
+        f"{heads_on_rank(ctx, kv_heads, 'KV')}: neither divisible by {degree} nor a divisor of it, so they can't be "
         "split or replicated evenly; use the AllGather wrapper (sdpa_hf)"
     )
+
+
+def heads_on_rank(ctx: PassContext, heads: int, kind: str) -> str:
+    """`heads` as the traced tensors hold them: under tensor parallelism, this TP rank's share."""
+    if ctx.tp_size == 1:
+        return f"{heads} {kind} heads"
+    return f"{heads} TP-local {kind} heads ({heads * ctx.tp_size} over tp_size={ctx.tp_size})"
 
 
 def replicate_heads(emit: Emitter, x: fx.Node, replicas: int) -> fx.Node:
