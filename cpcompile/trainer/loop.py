@@ -31,21 +31,20 @@ from .config import TrainConfig, TrainSettings
 from .data import TokenStream
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
 from .parallelize import (apply_activation_checkpointing, apply_fsdp, build_model, fsdp_mesh, gradient_scale,
-                          is_rank_zero,
-                          parameter_count, rewritten_regions, use_cpcompile_gdn)
+                          is_rank_zero, parameter_count, rewritten_regions, use_cpcompile_gdn)
 
 
 def check_world_size(plan: Plan) -> None:
     """One process per rank of the mesh: say how to launch when the job has another number."""
     world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     want = plan.accelerator.world_size
-    if world != want:
-        field = "accelerator.cp_size" if want == plan.cp_size else "accelerator"
-        raise PlanError(field, f"is {plan.cp_size} but the job has {world} process(es); launch one per rank "
-                               f"({plan.accelerator.world_size_formula()}): torchrun --nproc-per-node {want} ..."
-                        if field.endswith("cp_size") else
-                        f"needs {plan.accelerator.world_size_formula()} processes but the job has {world}; launch "
-                        f"torchrun --nproc-per-node {want} ...")
+    if world == want:
+        return
+    launch = f"launch one per rank: torchrun --nproc-per-node {want} ..."
+    if want == plan.cp_size:  # CP only: name the one size that sets the count
+        raise PlanError("accelerator.cp_size", f"is {want} but the job has {world} process(es); {launch}")
+    raise PlanError("accelerator", f"needs {plan.accelerator.world_size_formula()} processes but the job has "
+                                   f"{world}; {launch}")
 
 
 def rank_dump_dir(dump_dir: str | None, rank: int) -> str | None:
