@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+import shutil
 
 import pytest
 
@@ -59,6 +60,8 @@ def _full_parameters_digest(config: dict) -> list[float]:
 
 
 def _four_ranks(rank: int, world: int, seed: int, folder: str) -> dict:
+    import torch.distributed as dist
+
     from cpcompile.errors import CPConfigError
 
     base = qwen3_5_config(seed, cp=2, dp_shard=2)
@@ -69,10 +72,8 @@ def _four_ranks(rank: int, world: int, seed: int, folder: str) -> dict:
     out["resumed"] = _curves(_run(saving))
     # the same checkpoint (step 2) resumed with the data-parallel ranks replicating instead of sharding
     other_dp = dict(qwen3_5_config(seed, cp=2, dp_replicate=2), checkpoint={"folder": folder})
-    import shutil
-    if rank == 0:
+    if rank == 0:  # keep step 2 only: the resume starts there
         shutil.rmtree(f"{folder}/step-{STEPS}")
-    import torch.distributed as dist
     dist.barrier()
     out["resumed_other_dp"] = _curves(_run(other_dp))
     try:
