@@ -36,8 +36,25 @@ def latest_step(folder: str | None) -> int | None:
     return max(steps, default=None)
 
 
+def mesh_sizes(accelerator) -> dict:
+    """What trainer.json records of the mesh."""
+    return {name: getattr(accelerator, name) for name in ("cp_size", "dp_shard_size", "dp_replicate_size")}
+
+
+def check_resumable(folder: str, step: int, accelerator) -> None:
+    """Refuse, before anything is built, a checkpoint saved with another CP size."""
+    path = step_folder(folder, step)
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
+        saved = json.load(handle)["cp_size"]
+    if saved != accelerator.cp_size:
+        raise CPConfigError(f"checkpoint {path} was saved with cp_size={saved} and this run has "
+                            f"cp_size={accelerator.cp_size}: resuming with another CP size is not supported (use "
+                            "the checkpoint's cp_size, or another checkpoint.folder)")
+
+
 def save(folder: str, step: int, model, optimizer, scheduler, layout: dict) -> str:
-    """Every rank: DCP-save the states of `step` (completed steps); rank 0 writes trainer.json last."""
+    """Every rank: DCP-save the states of `step` (completed steps); rank 0 writes trainer.json
+    (the step and `layout`, the mesh sizes) last."""
     path = step_folder(folder, step)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}, checkpoint_id=path)
@@ -50,15 +67,11 @@ def save(folder: str, step: int, model, optimizer, scheduler, layout: dict) -> s
     return path
 
 
-def load(folder: str, step: int, model, optimizer, scheduler, layout: dict) -> int:
-    """Every rank: restore the checkpoint of `step`; -> the step to continue from."""
+def load(folder: str, step: int, model, optimizer, scheduler) -> int:
+    """Every rank: restore the checkpoint of `step` (`check_resumable` first); -> the step to continue from."""
     path = step_folder(folder, step)
     with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
         meta = json.load(handle)
-    if meta["cp_size"] != layout["cp_size"]:
-        raise CPConfigError(f"checkpoint {path} was saved with cp_size={meta['cp_size']} and this run has "
-                            f"cp_size={layout['cp_size']}: resuming with another CP size is not supported (use "
-                            "the checkpoint's cp_size, or another checkpoint.folder)")
     model_state, optim_state = get_state_dict(model, optimizer)
     state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
     dcp.load(state, checkpoint_id=path)

@@ -44,7 +44,7 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       packing: false            # one document per row (padded / truncated); packing: not yet
     checkpoint:
       folder: null              # DCP checkpoints: <folder>/step-<n>
-      interval: 0               # save every `interval` steps (0: only at the end, when a folder is set)
+      interval: 0               # save every `interval` steps (and after the last step run)
       resume: true              # start from the latest checkpoint in the folder, when there is one
 
 Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` processes (torchrun);

@@ -108,12 +108,6 @@ class Trainer:
     references: dict
     gradient_scale: int
 
-    @property
-    def layout(self) -> dict:
-        accelerator = self.config.plan.accelerator
-        return {"cp_size": accelerator.cp_size, "dp_shard_size": accelerator.dp_shard_size,
-                "dp_replicate_size": accelerator.dp_replicate_size}
-
     def step(self, index: int) -> dict:
         settings = self.config.train
         cuda = settings.device == "cuda"
@@ -209,14 +203,16 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     peak_memory_gib (and with `verify` reference_loss, fp32_reference_loss in bfloat16). Call
     inside an initialised process group of the mesh's size (torchrun), or let `build_mesh` make
     one. `stop_after` ends the run after that step (as a preempted job would), schedule unchanged.
-    A checkpoint in `checkpoint.folder` is resumed from when `checkpoint.resume`."""
+    With `checkpoint.folder`, a checkpoint is saved every `interval` steps and after the last
+    step run; the latest one there is resumed from when `checkpoint.resume`."""
     settings, saving = config.train, config.checkpoint
-    trainer = build_trainer(config)
-    first = 0
     latest = checkpoint.latest_step(saving.folder) if saving.resume else None
     if latest is not None:
-        first = checkpoint.load(saving.folder, latest, trainer.model, trainer.optimizer, trainer.scheduler,
-                                trainer.layout)
+        checkpoint.check_resumable(saving.folder, latest, config.plan.accelerator)
+    trainer = build_trainer(config)
+    first = 0
+    if latest is not None:
+        first = checkpoint.load(saving.folder, latest, trainer.model, trainer.optimizer, trainer.scheduler)
         if is_rank_zero():
             log(f"resumed from {checkpoint.step_folder(saving.folder, latest)} at step {first}")
     last = settings.steps if stop_after is None else min(settings.steps, stop_after)
@@ -231,9 +227,9 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
             if settings.verify:
                 _verify(record, settings, trainer.mesh)
             done = index + 1
-            if saving.folder and ((saving.interval and done % saving.interval == 0) or done == settings.steps):
+            if saving.folder and ((saving.interval and done % saving.interval == 0) or done == last):
                 checkpoint.save(saving.folder, done, trainer.model, trainer.optimizer, trainer.scheduler,
-                                trainer.layout)
+                                checkpoint.mesh_sizes(config.plan.accelerator))
     finally:
         metrics.close()
     if is_rank_zero():

@@ -48,47 +48,51 @@ def _curves(records: list[dict]) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records]
 
 
-def _full_parameters_digest(config: dict) -> list[float]:
-    """Run `config` and return every parameter after the last optimizer step, gathered whole."""
+def _run_with_parameters(config: dict) -> tuple[list[tuple], list[float]]:
+    """Run `config`; -> its curves and every parameter after the last optimizer step, gathered whole."""
     from cpcompile.trainer import load_train_config
     from cpcompile.trainer.loop import build_trainer
 
     trainer = build_trainer(load_train_config(config))
-    for index in range(2):
-        trainer.step(index)
-    return [p.full_tensor().sum().item() for p in trainer.model.parameters()]
+    records = [trainer.step(index) for index in range(STEPS)]
+    return _curves(records), [p.full_tensor().sum().item() for p in trainer.model.parameters()]
 
 
-def _four_ranks(rank: int, world: int, seed: int, folder: str) -> dict:
+def _four_ranks(rank: int, world: int, seed: int, folders: tuple[str, str]) -> dict:
     import torch.distributed as dist
 
-    from cpcompile.errors import CPConfigError
-
     base = qwen3_5_config(seed, cp=2, dp_shard=2)
-    out = {"fsdp_cp": _curves(_run(base)),
-           "with_ac": _curves(_run(qwen3_5_config(seed, cp=2, dp_shard=2, activation_checkpointing="every_layer")))}
-    saving = dict(base, checkpoint={"folder": folder, "interval": 2})
+    out = {}
+    out["fsdp_cp"], out["parameters"] = _run_with_parameters(base)
+    out["with_ac"] = _curves(_run(qwen3_5_config(seed, cp=2, dp_shard=2, activation_checkpointing="every_layer")))
+    saving = dict(base, checkpoint={"folder": folders[0], "interval": 2})
     out["stopped"] = _curves(_run(saving, stop_after=2))
     out["resumed"] = _curves(_run(saving))
-    # the same checkpoint (step 2) resumed with the data-parallel ranks replicating instead of sharding
-    other_dp = dict(qwen3_5_config(seed, cp=2, dp_replicate=2), checkpoint={"folder": folder})
-    if rank == 0:  # keep step 2 only: the resume starts there
-        shutil.rmtree(f"{folder}/step-{STEPS}")
+    if rank == 0:  # keep step 2 only: the next resume starts there
+        shutil.rmtree(f"{folders[0]}/step-{STEPS}")
     dist.barrier()
-    out["resumed_other_dp"] = _curves(_run(other_dp))
-    try:
-        _run(dict(qwen3_5_config(seed, cp=1, dp_shard=4), checkpoint={"folder": folder}))
-    except CPConfigError as exc:
-        out["other_cp"] = str(exc)
-    out["parameters"] = _full_parameters_digest(base)
+    # the same checkpoint resumed with the data-parallel ranks replicating instead of sharding
+    out["resumed_other_dp"] = _curves(_run(dict(qwen3_5_config(seed, cp=2, dp_replicate=2),
+                                                checkpoint={"folder": folders[0]})))
+    # dp_shard 4 without CP, stopped at step 2: the one-rank job resumes it
+    dp4 = dict(qwen3_5_config(seed, cp=1, dp_shard=4), checkpoint={"folder": folders[1]})
+    out["dp4_stopped"] = _curves(_run(dp4, stop_after=2))
     return out
 
 
-def _one_rank(rank: int, world: int, seed: int) -> dict:
-    base = qwen3_5_config(seed)
-    cp1 = copy.deepcopy(base)
+def _one_rank(rank: int, world: int, seed: int, folders: tuple[str, str]) -> dict:
+    from cpcompile.errors import CPConfigError
+
+    base = without_cp(qwen3_5_config(seed))
+    cp1 = qwen3_5_config(seed)
     cp1["accelerator"]["cp_size"] = 1
-    return {"no_cp": _curves(_run(without_cp(base))), "cp1_with_plan": _curves(_run(cp1))}
+    out = {"no_cp": _curves(_run(base)), "cp1_with_plan": _curves(_run(cp1)),
+           "dp1_resumed": _curves(_run(dict(base, checkpoint={"folder": folders[1]})))}
+    try:
+        _run(dict(base, checkpoint={"folder": folders[0]}))
+    except CPConfigError as exc:
+        out["other_cp"] = str(exc)
+    return out
 
 
 def _close(a: list[tuple], b: list[tuple], rtol: float) -> bool:
@@ -99,9 +103,9 @@ def _close(a: list[tuple], b: list[tuple], rtol: float) -> bool:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     seed = random.randrange(1 << 30)
-    folder = str(tmp_path_factory.mktemp("ckpt"))
-    four = run_distributed(_four_ranks, 4, seed, folder, timeout=600)
-    one = run_distributed(_one_rank, 1, seed, timeout=300)[0]
+    folders = (str(tmp_path_factory.mktemp("ckpt_cp2")), str(tmp_path_factory.mktemp("ckpt_dp4")))
+    four = run_distributed(_four_ranks, 4, seed, folders, timeout=600)
+    one = run_distributed(_one_rank, 1, seed, folders, timeout=300)[0]
     return four, one
 
 
@@ -133,18 +137,22 @@ def test_activation_checkpointing_changes_nothing_with_gdn_p2p(runs):
 
 def test_a_resumed_run_continues_the_same_trajectory(runs):
     """Stopped after step 2, resumed from its DCP checkpoint: steps 3-4 identical to the
-    uninterrupted run; resumed with dp_replicate 2 instead of dp_shard 2 (DCP reshards): the same
-    within float64 rounding."""
-    four, _ = runs
+    uninterrupted run. DCP reshards, so the same checkpoint resumes with dp_replicate 2 instead of
+    dp_shard 2, and one of dp_shard 4 (cp 1) in one process: the same trajectory within rounding
+    (1e-7: float64 sums in another order, amplified by the GDN decay gradients as above)."""
+    four, one = runs
     full = four[0]["fsdp_cp"]
     assert four[0]["stopped"] == full[:2]
     assert four[0]["resumed"] == full[2:]
     assert _close(four[0]["resumed_other_dp"], full[2:], 1e-12), (four[0]["resumed_other_dp"], full[2:])
+    assert _close(four[0]["dp4_stopped"], one["no_cp"][:2], 1e-7), (four[0]["dp4_stopped"], one["no_cp"])
+    assert _close(one["dp1_resumed"], one["no_cp"][2:], 1e-7), (one["dp1_resumed"], one["no_cp"])
 
 
 def test_another_cp_size_is_refused_at_resume(runs):
-    four, _ = runs
-    message = four[0].get("other_cp", "")
+    """A cp 2 checkpoint resumed by a cp 1 run: refused before anything is built, naming both sizes."""
+    _, one = runs
+    message = one.get("other_cp", "")
     assert "cp_size=2" in message and "cp_size=1" in message and "not supported" in message, message
 
 
