@@ -19,6 +19,7 @@ from gdn_harness import TEXT, gdn_plan
 
 STEPS = 4
 
+
 def qwen3_5_config(seed: int, cp: int = 2, dp_shard: int = 1, dp_replicate: int = 1, **train) -> dict:
     plan = gdn_plan(cp, "p2p", sdpa="sdpa_hf")
     plan["accelerator"].update(dp_shard_size=dp_shard, dp_replicate_size=dp_replicate)
