@@ -30,7 +30,7 @@ from . import checkpoint
 from .config import TrainConfig, TrainSettings
 from .data import TokenStream
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
-from .parallelize import (apply_activation_checkpointing, apply_fsdp, build_model, fsdp_mesh, gradient_scale,
+from .parallelize import (apply_activation_checkpointing, apply_fsdp, build_model, compile_layers, fsdp_mesh, gradient_scale,
                           is_rank_zero, parameter_count, rewritten_regions, use_cpcompile_gdn)
 
 
@@ -100,7 +100,6 @@ class Trainer:
     config: TrainConfig
     mesh: object
     model: torch.nn.Module
-    runner: object
     optimizer: torch.optim.Optimizer
     scheduler: object
     stream: TokenStream
@@ -117,7 +116,7 @@ class Trainer:
         lr = self.scheduler.get_last_lr()[0]
         batch = self.stream.batch(index, self.replica, self.config.dp_size)
         inputs, targets = _split_targets(shard_batch(batch, self.mesh, self.config.plan))
-        local_sum = token_loss_sum(self.runner, inputs, targets)
+        local_sum = token_loss_sum(self.model, inputs, targets)
         loss = global_mean_loss(local_sum, (targets != IGNORE_INDEX).sum(), self.mesh)
         (loss * self.gradient_scale).backward()
         grad_norm = self._clip()
@@ -173,11 +172,12 @@ def build_trainer(config: TrainConfig) -> Trainer:
     use_cpcompile_gdn(model, settings.gdn_backend)
     if settings.ac_mode == "every_layer":
         apply_activation_checkpointing(model)
+    if settings.compile_backend:
+        compile_layers(model, settings.compile_backend)
     sharding = fsdp_mesh(mesh)
     apply_fsdp(model, sharding, settings)
-    runner = torch.compile(model, backend=settings.compile_backend) if settings.compile_backend else model
     optimizer, scheduler = build_optimizer(model, config)
-    return Trainer(config, mesh, model, runner, optimizer, scheduler, stream, replica, _references(config),
+    return Trainer(config, mesh, model, optimizer, scheduler, stream, replica, _references(config),
                    gradient_scale(sharding))
 
 
@@ -253,7 +253,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
         log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size}")
         for name, method in regions:
             log(f"  {name}: {method}")
-        log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.2f}" for k, v in estimate.items()))
+        log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
     return {"regions": regions, "memory_gib": estimate}
 
 

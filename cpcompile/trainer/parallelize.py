@@ -1,4 +1,5 @@
-"""Build the model and parallelize it, in this order: CP rewrite, activation checkpointing, FSDP2.
+"""Build the model and parallelize it, in this order: CP rewrite, activation checkpointing,
+`torch.compile`, FSDP2.
 
 - **CP** (`cpcompile.compile`): the plan's regions are rewritten in place on the full,
   unsharded model, from a probe forward on the first batch. Each rewritten region reads its
@@ -9,6 +10,12 @@
   in the same order on every rank (every rank recomputes the same layers at the same point of
   its backward; the regions' graphs are cached per input signature, so no rank re-traces or
   re-agrees alone).
+- **torch.compile** (`compile_backend`): each decoder layer on its own, its checkpointing
+  inside (one compiled graph per layer; compiling the whole model around checkpointed layers
+  makes the recompute take another graph than the forward, which `torch.utils.checkpoint`
+  refuses). With checkpointing, Dynamo cannot trace a checkpointed layer holding a CP region
+  (the region's call breaks the graph, and a break inside a checkpoint falls back to eager for
+  the whole layer): those layers run eagerly, correct but not compiled.
 - **FSDP2** (`fully_shard`): each decoder layer, then the root, shard over the flattened
   `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. The loss
   contract (`cpcompile.loss.global_mean_loss`) gives each rank its share of the global mean, so
@@ -86,6 +93,12 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> int:
 
         layer.forward = forward
     return len(layers)
+
+
+def compile_layers(model: torch.nn.Module, backend: str) -> None:
+    """`torch.compile` every decoder layer (after activation checkpointing, before FSDP2)."""
+    for layer in decoder_layers(model):
+        layer.compile(backend=backend)
 
 
 def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
