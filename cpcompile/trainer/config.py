@@ -21,7 +21,7 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # in param_dtype and reduces gradients in reduce_dtype
       grad_clip: null           # or a positive max global gradient norm
       activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
-      compile_backend: null     # or a torch.compile backend (aot_eager, inductor)
+      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path
       device: cpu               # cpu | cuda | npu
