@@ -165,8 +165,9 @@ SDPA_METHODS = {
 
 def _gradients_with_and_without_ac(rank: int, world: int, seed: int) -> dict:
     """Per method: the largest gradient difference between a forward/backward of the compiled
-    CP=4 model with every decoder layer checkpointed and one without, and how often each
-    rewritten attention region ran in the checkpointed step (forward + recompute)."""
+    CP=4 model with every decoder layer checkpointed and one without, on a batch of a length the
+    regions first meet inside the checkpointed forward (so they trace it there), and how often
+    each rewritten attention region ran in the checkpointed step (forward + recompute)."""
     import torch
 
     import cpcompile
@@ -178,17 +179,21 @@ def _gradients_with_and_without_ac(rank: int, world: int, seed: int) -> dict:
         plan = cpcompile.load_plan(sdpa_plan(world, wrapper))
         mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
         model = qwen3_with_heads(seed, 4, 4, layers=2).double()
-        local = cpcompile.shard_batch(random_batch(seed + 1, 2, 8 * world, padded=True), mesh, plan)
-        cpcompile.compile(model, mesh, plan, example_inputs=local)
-        model(**local).loss.backward()
-        plain = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
+        example = cpcompile.shard_batch(random_batch(seed + 1, 2, 8 * world, padded=True), mesh, plan)
+        cpcompile.compile(model, mesh, plan, example_inputs=example)
+        local = cpcompile.shard_batch(random_batch(seed + 2, 2, 16 * world, padded=True), mesh, plan)
         calls = []
-        for layer in model.model.layers:
-            layer.self_attn.register_forward_hook(lambda *_: calls.append(1))
+        hooks = [layer.self_attn.register_forward_hook(lambda *_: calls.append(1)) for layer in model.model.layers]
         apply_activation_checkpointing(model)
         model(**local).loss.backward()
-        worst = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), plain))
+        for hook in hooks:
+            hook.remove()
+        checkpointed = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        for layer in model.model.layers:
+            del layer.forward  # the layer's own forward again: no checkpoint
+        model(**local).loss.backward()
+        worst = max((p.grad - g).abs().max().item() for p, g in zip(model.parameters(), checkpointed))
         out[name] = (worst, len(calls))
     return out
 
@@ -196,7 +201,8 @@ def _gradients_with_and_without_ac(rank: int, world: int, seed: int) -> dict:
 def test_activation_checkpointing_composes_with_every_sdpa_method():
     """CP=4 with each SDPA method, padded batch, float64: checkpointing every layer reruns each
     rewritten region in the backward (its collectives again, on every rank alike) and leaves every
-    gradient as it was."""
+    gradient as it was — also when the region traces a new input signature inside the
+    checkpointed forward (as under FSDP2 mixed precision, whose bf16 inputs the probe never saw)."""
     results = run_distributed(_gradients_with_and_without_ac, 4, random.randrange(1 << 30), timeout=600)
     for per_rank in results:
         for name, (worst, calls) in per_rank.items():
