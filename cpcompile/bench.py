@@ -1,4 +1,4 @@
-"""`cpcompile bench CONFIG.yaml`: time the training step a train config describes (see `train.py`),
+"""`cpcompile bench CONFIG.yaml`: time the training step a train config describes (docs/trainer.md),
 with its CP plan against the same model without CP, in one run; launch it with `torchrun`.
 
 Rows: the model rewritten by the plan on this rank's `seq_len / cp` tokens, and the unrewritten
@@ -20,7 +20,10 @@ import torch.distributed as dist
 from .batch import shard_batch
 from .pipeline import compile as cp_compile
 from .mesh import build_mesh
-from .train import TrainConfig, build_model, check_world_size, synthetic_batch
+from .trainer.config import TrainConfig
+from .trainer.data import TokenStream
+from .trainer.loop import check_world_size
+from .trainer.parallelize import build_model
 
 
 def time_steps(step: Callable[[], torch.Tensor], warmup: int, repeat: int, device: str,
@@ -64,7 +67,7 @@ def bench(config: TrainConfig, warmup: int, repeat: int, full_sequence: bool = F
     check_world_size(config.plan)
     mesh = build_mesh(config.plan.accelerator, device_type=settings.device)
     model = build_model(config.model, settings)
-    batch = synthetic_batch(0, settings, model.config.get_text_config().vocab_size)
+    batch = TokenStream(config.data, settings, model.config.get_text_config().vocab_size).batch(0)
     local = shard_batch(batch, mesh, config.plan)
     plain = build_model(config.model, settings)
     cp_compile(model, mesh, config.plan, example_inputs=local)
@@ -86,7 +89,7 @@ def bench(config: TrainConfig, warmup: int, repeat: int, full_sequence: bool = F
 
 def table(rows: list[dict], config: TrainConfig, warmup: int, repeat: int) -> str:
     s = config.train
-    lines = [f"model {config.model['model_type']}, batch {s.batch_size}, sequence {s.seq_len}, {s.dtype} on {s.device}; "
+    lines = [f"model {config.model.get('model_type') or config.model['path']}, batch {s.batch_size}, sequence {s.seq_len}, {s.dtype} on {s.device}; "
              f"median of {repeat} after {warmup} warm-up, max over ranks",
              "", "| variant | tokens per rank | warmup/repeat | fwd ms | bwd ms | peak alloc GiB | peak reserved GiB |",
              "|---|---|---|---|---|---|---|"]

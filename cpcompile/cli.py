@@ -1,7 +1,8 @@
 """Command line (also installed as `cpcompile`):
 
     python -m cpcompile inspect DUMP_DIR                          # print a graph dump's summary
-    torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml    # train with the config's CP plan
+    torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml    # train: FSDP2 x CP, the config's plan
+    python -m cpcompile compare A.yaml B.yaml --steps N          # two configs' runs, step by step
     torchrun --nproc-per-node N -m cpcompile bench CONFIG.yaml    # time its step, with and without CP
 
 An error cpcompile raises for the user (a `CPCompileError`: a config field, a plan that does not
@@ -29,6 +30,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             print(inspect(args.dump_dir), end="")
             return 0
+        if args.command == "compare":
+            from .trainer.compare import compare_configs
+
+            return 0 if compare_configs(args.config_a, args.config_b, args.steps, args.rtol, args.out).passed else 1
         return _run(args)
     except REPORTED as exc:
         if args.debug:
@@ -46,8 +51,22 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("dump_dir")
     run = commands.add_parser("train", parents=[common],
                               help="train a causal LM built from a config with the plan's CP (under torchrun)")
-    run.add_argument("config", help="YAML: model, train, accelerator, plan_overrides (see cpcompile/train.py)")
+    run.add_argument("config", help="YAML: model, train, optimizer, data, checkpoint, accelerator, plan_overrides "
+                                    "(docs/trainer.md)")
     run.add_argument("--steps", type=int, default=None, help="override train.steps")
+    run.add_argument("--stop-after", type=int, default=None,
+                     help="stop after this step, the LR schedule unchanged (as a preempted job would)")
+    run.add_argument("--metrics", default=None, help="override train.metrics_file (JSONL, one line per step)")
+    run.add_argument("--dry-run", action="store_true",
+                     help="print the mesh, the plan's coverage and a memory estimate, then exit")
+    pair = commands.add_parser("compare", parents=[common],
+                               help="run two train configs (each under torchrun) and judge loss/grad-norm parity")
+    pair.add_argument("config_a")
+    pair.add_argument("config_b")
+    pair.add_argument("--steps", type=int, required=True)
+    pair.add_argument("--rtol", type=float, default=1e-6,
+                      help="largest relative difference of any step's loss or grad-norm (default 1e-6)")
+    pair.add_argument("--out", default="compare_out", help="folder for the JSONL files, the table and the plot")
     timing = commands.add_parser("bench", parents=[common],
                                  help="time a train config's step with its CP plan and without CP (under torchrun)")
     timing.add_argument("config", help="the same YAML as `train`")
@@ -72,14 +91,18 @@ def _run(args) -> int:
 
     import torch.distributed as dist
 
-    from .train import load_train_config, train
+    from .trainer import dry_run, load_train_config, train
 
     config = load_train_config(args.config)
     if getattr(args, "steps", None) is not None:
-        config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=args.steps).validate())
+        config = config.with_steps(args.steps)
+    if getattr(args, "metrics", None) is not None:
+        config = dataclasses.replace(config, train=dataclasses.replace(config.train, metrics_file=args.metrics))
     try:
-        if args.command == "train":
-            train(config)
+        if args.command == "train" and args.dry_run:
+            dry_run(config)
+        elif args.command == "train":
+            train(config, stop_after=args.stop_after)
         else:
             from .bench import bench, table
 

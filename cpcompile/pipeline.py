@@ -182,6 +182,19 @@ def declared_attention(region, target: Target) -> DeclaredAttention:
     return read(target.fqn, target.module) if read is not None else DeclaredAttention()
 
 
+def _saving_nothing_for_checkpoints():
+    """Tracing a new signature runs (fake) tensor ops that autograd records. Inside a
+    `torch.utils.checkpoint` forward those would be counted as the layer's saved tensors, and the
+    recompute, which finds the graph cached, would save fewer: the checkpoint refuses the
+    mismatch. Hooks that keep tensors as they are, pushed innermost, take those ops out of the
+    checkpoint's count (and cost nothing outside a checkpoint)."""
+    return torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged)
+
+
+def _unchanged(tensor):
+    return tensor
+
+
 class InstalledRegion:
     """The replacement `forward`: one rewritten graph per input signature.
 
@@ -218,7 +231,8 @@ class InstalledRegion:
         leaves, key = flatten_call(self.target.fqn, args, kwargs)
         program = self.programs.get(key)
         if program is None:
-            program = self._build(args, kwargs)
+            with _saving_nothing_for_checkpoints():
+                program = self._build(args, kwargs)
         else:
             self.programs.move_to_end(key)  # least recently used goes first
         return program(leaves)

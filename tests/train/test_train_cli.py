@@ -31,7 +31,7 @@ def _config(cp: int, seed: int, model: str = "qwen3_5", **train) -> dict:
 
 
 def _train(rank: int, world: int, seed: int, model: str) -> list[dict]:
-    from cpcompile.train import load_train_config, train
+    from cpcompile.trainer import load_train_config, train
 
     tolerance = {"verify_rtol": 1e-3} if model == "qwen3_5" else {}  # as the test below holds it
     return train(load_train_config(_config(world, seed, model, **tolerance)), log=lambda _: None)
@@ -60,7 +60,21 @@ def test_losses_follow_the_unrewritten_model(model):
     (lambda c: c["train"].update(dtype="float16"), "train.dtype"),
     (lambda c: c["train"].update(steps=0), "train.steps"),
     (lambda c: c["train"].update(lr="1e-3"), "train.lr"),
-    (lambda c: c["accelerator"].update(dp_shard_size=2), "accelerator.dp_shard_size"),
+    (lambda c: c["accelerator"].update(tp_size=2), "accelerator.tp_size"),
+    (lambda c: c["accelerator"].update(dp_shard_size=2), "train.verify"),  # verify trains one replica's batch
+    (lambda c: c["train"].update(verify=False, batch_size=3) or c["accelerator"].update(dp_shard_size=2),
+     "train.batch_size"),
+    (lambda c: c["train"].update(activation_checkpointing="sometimes"), "train.activation_checkpointing"),
+    (lambda c: c["train"].update(mixed_precision={"param_dtype": "float8"}), "train.mixed_precision.param_dtype"),
+    (lambda c: c["train"].update(grad_clip=-1.0), "train.grad_clip"),
+    (lambda c: c.update(optimizer={"warmup_steps": -1}), "optimizer.warmup_steps"),
+    (lambda c: c.update(optimizer={"schedule": "linear"}), "optimizer.schedule"),
+    (lambda c: c.update(optimizer={"betas": [0.9]}), "optimizer.betas"),
+    (lambda c: c.update(data={"source": "text"}), "data.path"),
+    (lambda c: c.update(data={"source": "jsonl", "path": "/no/such/file"}), "data.path"),
+    (lambda c: c.update(data={"packing": True}), "data.packing"),
+    (lambda c: c.update(checkpoint={"interval": 2}), "checkpoint.interval"),
+    (lambda c: c.update(model={"path": "/no/such/folder"}), "model.path"),
     (lambda c: c.update(trainer={}), "trainer"),
     (lambda c: c["model"].update(hidden_sise=64), "model.hidden_sise"),
     (lambda c: c["model"].update(model_type="no_such_model"), "model.model_type"),
@@ -71,7 +85,7 @@ def test_losses_follow_the_unrewritten_model(model):
 ])
 def test_config_errors_name_the_field(edit, field):
     from cpcompile.errors import PlanError
-    from cpcompile.train import load_train_config
+    from cpcompile.trainer import load_train_config
 
     config = _config(2, 0)
     edit(config)
@@ -84,7 +98,7 @@ def test_model_keys_transformers_converts_are_kept():
     """A key transformers still reads under an older name (rope_theta, into rope_parameters) is
     not a stray key; a misspelt one names its likely spelling."""
     from cpcompile.errors import PlanError
-    from cpcompile.train import load_train_config, model_config
+    from cpcompile.trainer import load_train_config, model_config
 
     config = _config(2, 0, "qwen3")
     config["model"]["rope_theta"] = 5000.0
@@ -96,7 +110,7 @@ def test_model_keys_transformers_converts_are_kept():
 
 def test_an_unwritable_dump_dir_names_the_field(tmp_path):
     from cpcompile.errors import PlanError
-    from cpcompile.train import rank_dump_dir
+    from cpcompile.trainer.loop import rank_dump_dir
 
     (tmp_path / "file").write_text("")
     with pytest.raises(PlanError) as info:
@@ -145,9 +159,10 @@ def test_cli_reports_a_bad_config_without_a_traceback(tmp_path):
 def test_verify_judges_each_step(record, dtype, fails):
     """fp32: within train.verify_rtol of the unrewritten copy; bf16: against the fp32 copy, within
     1.5x the bf16 copy's error + 1e-3 (cpcompile/parity.py)."""
-    from cpcompile.train import TrainSettings, _step_failure
+    from cpcompile.trainer import TrainSettings
+    from cpcompile.trainer.loop import step_failure
 
-    failure = _step_failure({"step": 3, **record}, TrainSettings(dtype=dtype, verify=True), cp_size=2)
+    failure = step_failure({"step": 3, **record}, TrainSettings(dtype=dtype, verify=True), cp_size=2)
     assert (failure is not None) == fails, failure
     if fails:
         assert failure.startswith("train.verify: step 3: ") and "\n" not in failure

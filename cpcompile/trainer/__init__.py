@@ -1,0 +1,17 @@
+"""`cpcompile train`: a causal-LM trainer on PyTorch's own parts, one module per concern.
+
+- `config`: the YAML (model, train, optimizer, data, checkpoint + the CP plan), field-path errors;
+- `data`: the global token stream, split over data-parallel replicas;
+- `parallelize`: the model, then CP rewrite, activation checkpointing, FSDP2 over dp_shard x cp;
+- `checkpoint`: DCP save / resume;
+- `loop`: the step and the run (`train`, `dry_run`);
+- `metrics`: step lines, JSONL, summary, non-finite stop, plots;
+- `compare`: two configs' runs judged step by step (`cpcompile compare`).
+
+It needs transformers: `pip install "cpcompile[train]"`. The YAML is documented in `config.py`
+and docs/trainer.md.
+"""
+from .config import TrainConfig, TrainSettings, load_train_config, model_config
+from .loop import dry_run, train
+
+__all__ = ["TrainConfig", "TrainSettings", "load_train_config", "model_config", "train", "dry_run"]

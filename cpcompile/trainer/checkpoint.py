@@ -1,0 +1,95 @@
+"""Checkpoints with `torch.distributed.checkpoint` (DCP): `<folder>/step-<n>/`.
+
+Saved: the model and optimizer state (`get_state_dict`, sharded DTensors as FSDP2 holds them;
+DCP reshards them on load, so a run may resume with another dp_shard / dp_replicate size), the
+LR scheduler, the step (which is the data position: `data.py`), and each rank's RNG states
+(`rng-rank<r>.pt` beside the DCP files; a rank that finds none of its own takes rank 0's). A
+checkpoint's CP size must be the run's: another one is refused (`trainer.json` records it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from ..errors import CPConfigError
+
+STEP_FOLDER = re.compile(r"^step-(\d+)$")
+META_FILE = "trainer.json"
+
+
+def step_folder(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}")
+
+
+def latest_step(folder: str | None) -> int | None:
+    """The highest step with a complete checkpoint (its trainer.json written last) in `folder`."""
+    if folder is None or not os.path.isdir(folder):
+        return None
+    steps = [int(m.group(1)) for name in os.listdir(folder) if (m := STEP_FOLDER.match(name))
+             and os.path.isfile(os.path.join(folder, name, META_FILE))]
+    return max(steps, default=None)
+
+
+def mesh_sizes(accelerator) -> dict:
+    """What trainer.json records of the mesh."""
+    return {name: getattr(accelerator, name) for name in ("cp_size", "dp_shard_size", "dp_replicate_size")}
+
+
+def check_resumable(folder: str, step: int, accelerator) -> None:
+    """Refuse, before anything is built, a checkpoint saved with another CP size."""
+    path = step_folder(folder, step)
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
+        saved = json.load(handle)["cp_size"]
+    if saved != accelerator.cp_size:
+        raise CPConfigError(f"checkpoint {path} was saved with cp_size={saved} and this run has "
+                            f"cp_size={accelerator.cp_size}: resuming with another CP size is not supported (use "
+                            "the checkpoint's cp_size, or another checkpoint.folder)")
+
+
+def save(folder: str, step: int, model, optimizer, scheduler, layout: dict) -> str:
+    """Every rank: DCP-save the states of `step` (completed steps); rank 0 writes trainer.json
+    (the step and `layout`, the mesh sizes) last."""
+    path = step_folder(folder, step)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}, checkpoint_id=path)
+    torch.save(_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        with open(os.path.join(path, META_FILE), "w", encoding="utf-8") as handle:
+            json.dump({"step": step, **layout}, handle)
+    dist.barrier()
+    return path
+
+
+def load(folder: str, step: int, model, optimizer, scheduler) -> int:
+    """Every rank: restore the checkpoint of `step` (`check_resumable` first); -> the step to continue from."""
+    path = step_folder(folder, step)
+    with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
+        meta = json.load(handle)
+    model_state, optim_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    scheduler.load_state_dict(state["scheduler"])
+    own = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
+    _set_rng_state(torch.load(own if os.path.isfile(own) else os.path.join(path, "rng-rank0.pt"), weights_only=False))
+    return meta["step"]
+
+
+def _rng_state() -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])

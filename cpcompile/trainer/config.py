@@ -1,0 +1,377 @@
+"""The trainer's YAML: what to train, on which mesh, with what data, optimizer and checkpoints.
+
+One file holds the CP plan (`accelerator:`, `plan_overrides:`, as for `load_plan`) and these
+sections (every key optional unless said; errors name the field path, e.g. `optimizer.warmup_steps`)::
+
+    model:                      # a transformers config: AutoConfig.for_model(model_type, **rest)
+      model_type: qwen3_5_text  #   (required, unless `path` is given)
+      hidden_size: 64
+    # or
+    model:
+      path: /models/my-model    # a local folder holding config.json (random weights; no download)
+    train:
+      steps: 10                 # optimizer steps
+      seq_len: 256              # tokens per sequence (global, before CP sharding)
+      batch_size: 2             # sequences per step over all data-parallel replicas (the global
+                                # batch); a multiple of dp_replicate_size * dp_shard_size
+      lr: 1.0e-3                # peak learning rate (AdamW)
+      seed: 0                   # weights and data (the same on every rank)
+      dtype: float32            # float32 | bfloat16 | float64: the parameters' dtype
+      mixed_precision: null     # or {param_dtype: bfloat16, reduce_dtype: float32}: FSDP2 computes
+                                # in param_dtype and reduces gradients in reduce_dtype
+      grad_clip: null           # or a positive max global gradient norm
+      activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
+      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer
+      gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
+                                # also where CP does not rewrite it (cp 1); null: transformers' path
+      device: cpu               # cpu | cuda | npu
+      dump_dir: null            # the rewritten graphs, one folder per rank: <dump_dir>/rank<r>
+      metrics_file: null        # one JSON line per step (rank 0)
+      verify: false             # also train an unrewritten copy on the whole batch; judge each step
+      verify_rtol: 1.0e-4       # verify, float32/float64: each step's CP loss within this relative
+                                # difference of the copy's
+    optimizer:                  # AdamW with linear warmup, then cosine decay (or constant)
+      weight_decay: 0.01
+      betas: [0.9, 0.999]
+      eps: 1.0e-8
+      warmup_steps: 0
+      schedule: cosine          # cosine | constant (after the warmup)
+      min_lr_ratio: 0.1         # cosine ends at lr * min_lr_ratio
+    data:
+      source: synthetic         # synthetic (random token ids) | text | jsonl (a local file)
+      path: null                # text: documents separated by blank lines; jsonl: one object a line
+      text_field: text          # jsonl: the key holding a document
+      packing: false            # one document per row (padded / truncated); packing: not yet
+    checkpoint:
+      folder: null              # DCP checkpoints: <folder>/step-<n>
+      interval: 0               # save every `interval` steps (and after the last step run)
+      resume: true              # start from the latest checkpoint in the folder, when there is one
+
+Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` processes (torchrun);
+FSDP2 shards over `dp_shard x cp` and replicates over `dp_replicate`. TP, PP and EP are refused.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import math
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from ..batch import required_multiple
+from ..errors import MissingDependencyError, PlanError, short_repr
+from ..plan import Plan, check_size, load_plan, read_yaml, reject_unknown_keys
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
+AC_MODES = ("off", "every_layer")
+SCHEDULES = ("cosine", "constant")
+DATA_SOURCES = ("synthetic", "text", "jsonl")
+GDN_BACKENDS = ("eager", "triton")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    steps: int = 10
+    seq_len: int = 256
+    batch_size: int = 2
+    lr: float = 1e-3
+    seed: int = 0
+    dtype: str = "float32"
+    mixed_precision: dict | None = None
+    grad_clip: float | None = None
+    activation_checkpointing: str = "off"
+    compile_backend: str | None = None
+    gdn_backend: str | None = None
+    device: str = "cpu"
+    dump_dir: str | None = None
+    metrics_file: str | None = None
+    verify: bool = False
+    verify_rtol: float = 1e-4
+
+    def validate(self) -> "TrainSettings":
+        for name in ("steps", "seq_len", "batch_size"):
+            check_size(f"train.{name}", getattr(self, name))
+        check_positive_number("train.lr", self.lr)
+        check_positive_number("train.verify_rtol", self.verify_rtol)
+        if self.grad_clip is not None:
+            check_positive_number("train.grad_clip", self.grad_clip)
+        if type(self.seed) is not int:
+            raise PlanError("train.seed", f"must be an integer, got {short_repr(self.seed)}")
+        check_choice("train.dtype", self.dtype, DTYPES)
+        check_choice("train.activation_checkpointing", _yaml_off(self.activation_checkpointing), AC_MODES)
+        if self.gdn_backend is not None:
+            check_choice("train.gdn_backend", self.gdn_backend, GDN_BACKENDS)
+        check_choice("train.device", self.device, ("cpu", "cuda", "npu"))
+        for name in ("compile_backend", "dump_dir", "metrics_file"):
+            check_optional_string(f"train.{name}", getattr(self, name))
+        check_bool("train.verify", self.verify)
+        self.precision_policy()
+        return self
+
+    @property
+    def ac_mode(self) -> str:
+        return _yaml_off(self.activation_checkpointing)
+
+    def precision_policy(self) -> tuple[torch.dtype | None, torch.dtype | None]:
+        """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy; (None, None) without one."""
+        if self.mixed_precision is None:
+            return None, None
+        if not isinstance(self.mixed_precision, dict):
+            raise PlanError("train.mixed_precision", f"must be a mapping or null, got {short_repr(self.mixed_precision)}")
+        reject_unknown_keys("train.mixed_precision", self.mixed_precision, ("param_dtype", "reduce_dtype"))
+        chosen = []
+        for key in ("param_dtype", "reduce_dtype"):
+            name = self.mixed_precision.get(key)
+            if name is not None:
+                check_choice(f"train.mixed_precision.{key}", name, DTYPES)
+            chosen.append(DTYPES[name] if name is not None else None)
+        return chosen[0], chosen[1]
+
+
+def _yaml_off(value: Any) -> Any:
+    """YAML 1.1 reads a bare `off` as False: take it as the word it was meant to be."""
+    return "off" if value is False else value
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    weight_decay: float = 0.01
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    warmup_steps: int = 0
+    schedule: str = "cosine"
+    min_lr_ratio: float = 0.1
+
+    def validate(self) -> "OptimizerSettings":
+        check_number("optimizer.weight_decay", self.weight_decay, low=0.0)
+        check_positive_number("optimizer.eps", self.eps)
+        betas = self.betas
+        if not isinstance(betas, (list, tuple)) or len(betas) != 2:
+            raise PlanError("optimizer.betas", f"must be a list of two numbers in [0, 1), got {short_repr(betas)}")
+        for i, beta in enumerate(betas):
+            check_number(f"optimizer.betas[{i}]", beta, low=0.0, below=1.0)
+        if type(self.warmup_steps) is not int or self.warmup_steps < 0:
+            raise PlanError("optimizer.warmup_steps", f"must be an integer >= 0, got {short_repr(self.warmup_steps)}")
+        check_choice("optimizer.schedule", self.schedule, SCHEDULES)
+        check_number("optimizer.min_lr_ratio", self.min_lr_ratio, low=0.0, high=1.0)
+        return dataclasses.replace(self, betas=tuple(float(b) for b in betas))
+
+
+@dataclass(frozen=True)
+class DataSettings:
+    source: str = "synthetic"
+    path: str | None = None
+    text_field: str = "text"
+    packing: bool = False
+
+    def validate(self) -> "DataSettings":
+        check_choice("data.source", self.source, DATA_SOURCES)
+        check_bool("data.packing", self.packing)
+        if self.packing:
+            raise PlanError("data.packing", "sequence packing is not supported by the trainer yet: set packing: "
+                                            "false (each row holds one document, padded or truncated)")
+        check_optional_string("data.path", self.path)
+        check_optional_string("data.text_field", self.text_field)
+        if self.source == "synthetic":
+            if self.path is not None:
+                raise PlanError("data.path", "synthetic data reads no file: leave path out, or set data.source")
+        elif self.path is None:
+            raise PlanError("data.path", f"data.source {self.source} needs the path of a local file")
+        elif not os.path.isfile(self.path):
+            raise PlanError("data.path", f"no such file: {short_repr(self.path)}")
+        return self
+
+
+@dataclass(frozen=True)
+class CheckpointSettings:
+    folder: str | None = None
+    interval: int = 0
+    resume: bool = True
+
+    def validate(self) -> "CheckpointSettings":
+        check_optional_string("checkpoint.folder", self.folder)
+        if type(self.interval) is not int or self.interval < 0:
+            raise PlanError("checkpoint.interval", f"must be an integer >= 0, got {short_repr(self.interval)}")
+        if self.interval and self.folder is None:
+            raise PlanError("checkpoint.interval", "saving every few steps needs checkpoint.folder")
+        check_bool("checkpoint.resume", self.resume)
+        return self
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model: dict
+    train: TrainSettings
+    plan: Plan
+    optimizer: OptimizerSettings = OptimizerSettings()
+    data: DataSettings = DataSettings()
+    checkpoint: CheckpointSettings = CheckpointSettings()
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas: each reads different sequences."""
+        accelerator = self.plan.accelerator
+        return accelerator.dp_replicate_size * accelerator.dp_shard_size
+
+    def with_steps(self, steps: int) -> "TrainConfig":
+        return dataclasses.replace(self, train=dataclasses.replace(self.train, steps=steps).validate())
+
+
+SECTIONS = {"train": TrainSettings, "optimizer": OptimizerSettings, "data": DataSettings,
+            "checkpoint": CheckpointSettings}
+
+
+def load_train_config(source: str | dict) -> TrainConfig:
+    """Read and check a train config (a YAML path or a dict); errors name the field path."""
+    raw = source if isinstance(source, dict) else read_yaml(source)
+    if not isinstance(raw, dict):
+        raise PlanError("<config>", f"must be a mapping, got {type(raw).__name__}")
+    raw = dict(raw)
+    model = raw.pop("model", None)
+    sections = {name: _section(name, raw.pop(name, None), cls) for name, cls in SECTIONS.items()}
+    model = _check_model_section(model)
+    plan = load_plan(raw)
+    for name, size in plan.accelerator.not_with_cp():
+        raise PlanError(f"accelerator.{name}", f"cpcompile train runs data and context parallelism only; must be "
+                                               f"1, got {size} (use the library API for other parallelisms)")
+    config = TrainConfig(model=model, plan=plan, **sections)
+    _check_batch(config)
+    if config.train.verify and config.dp_size > 1:
+        raise PlanError("train.verify", "the unrewritten copy trains one replica's batch: verify needs "
+                                        "dp_replicate_size = dp_shard_size = 1 (compare configs with "
+                                        "`cpcompile compare` instead)")
+    model_config(model)  # refuses a model type or key transformers does not know, before any process starts
+    return config
+
+
+def _section(name: str, raw: Any, cls):
+    raw = {} if raw is None else raw
+    if not isinstance(raw, dict):
+        raise PlanError(name, f"must be a mapping, got {type(raw).__name__}")
+    reject_unknown_keys(name, raw, tuple(f.name for f in fields(cls)))
+    return cls(**raw).validate()
+
+
+def _check_model_section(model: Any) -> dict:
+    if isinstance(model, dict) and "path" in model:
+        reject_unknown_keys("model", model, ("path",))
+        path = model["path"]
+        if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "config.json")):
+            raise PlanError("model.path", f"must be a local folder holding config.json, got {short_repr(path)}")
+        return dict(model)
+    if not isinstance(model, dict) or not isinstance(model.get("model_type"), str):
+        raise PlanError("model", "a mapping with model_type (a transformers model type), or with path (a local "
+                                 "folder holding config.json), is required")
+    return dict(model)
+
+
+def _check_batch(config: TrainConfig) -> None:
+    """What `shard_batch` and the data loader would refuse at the first step, said here by field."""
+    settings, plan = config.train, config.plan
+    if settings.batch_size % config.dp_size:
+        raise PlanError("train.batch_size", f"is the global batch: must be a multiple of the {config.dp_size} "
+                                            f"data-parallel replicas, got {settings.batch_size}")
+    layout = plan.layout()
+    if layout is None:
+        return
+    multiple = required_multiple(layout, plan.cp_size)
+    if settings.seq_len % multiple:
+        raise PlanError("train.seq_len", f"must be a multiple of {multiple} (the {layout} sequence layout over "
+                                         f"cp_size={plan.cp_size}), got {settings.seq_len}")
+
+
+# --------------------------------------------------------------------------- field checks
+
+
+def check_positive_number(field: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+        hint = " (YAML reads 1e-3 as a string: write 1.0e-3)" if isinstance(value, str) else ""
+        raise PlanError(field, f"must be a positive number, got {short_repr(value)}{hint}")
+
+
+def check_number(field: str, value: Any, low: float, high: float | None = None, below: float | None = None) -> None:
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value >= low
+    ok = ok and (high is None or value <= high) and (below is None or value < below)
+    if not ok:
+        bound = f"<= {high}" if high is not None else (f"< {below}" if below is not None else "")
+        raise PlanError(field, f"must be a number >= {low} {bound}".rstrip() + f", got {short_repr(value)}")
+
+
+def check_choice(field: str, value: Any, choices) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise PlanError(field, f"must be one of {', '.join(choices)}, got {short_repr(value)}")
+
+
+def check_bool(field: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise PlanError(field, f"must be true or false, got {short_repr(value)}")
+
+
+def check_optional_string(field: str, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise PlanError(field, f"must be a non-empty string or null, got {short_repr(value)}")
+
+
+# --------------------------------------------------------------------------- the model's config
+
+
+def transformers_module():
+    """transformers, or a `MissingDependencyError` naming the extra that installs it."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"cpcompile train and bench build Hugging Face models and need transformers, which cannot be "
+            f"imported ({exc}): pip install \"cpcompile[train]\""
+        ) from exc
+    return transformers
+
+
+def model_config(raw: dict):
+    """The transformers config `model:` describes: `AutoConfig.for_model(model_type, **rest)`, or
+    the config.json of the local folder `path` (never the hub).
+
+    A `PlanError` naming the key for a model type transformers does not know, and for a key its
+    config class does not have: transformers keeps such a key as a stray attribute that no model
+    reads, so a misspelt `hidden_sise` would silently train the default size. Keys transformers
+    still converts (e.g. `rope_theta` into `rope_parameters`) are not kept, and pass."""
+    transformers = transformers_module()
+    if "path" in raw:
+        try:
+            return transformers.AutoConfig.from_pretrained(raw["path"], local_files_only=True)
+        except (OSError, ValueError, KeyError) as exc:
+            raise PlanError("model.path", f"transformers cannot read its config.json: {exc}") from exc
+    kwargs = dict(raw)
+    model_type = kwargs.pop("model_type")
+    if model_type not in transformers.CONFIG_MAPPING:
+        raise PlanError("model.model_type", f"{short_repr(model_type)} is not a model type transformers "
+                                            f"{transformers.__version__} knows")
+    config_class = transformers.CONFIG_MAPPING[model_type]
+    try:
+        config = config_class(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise PlanError("model", f"transformers refused this {config_class.__name__}: {exc}") from exc
+    known = _config_keys(config_class)
+    for key in kwargs:
+        if key not in known and key in vars(config):
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise PlanError(f"model.{key}", f"{config_class.__name__} ({model_type}) has no such key, so no "
+                                            f"model would read it{hint}")
+    return config
+
+
+def _config_keys(config_class) -> set[str]:
+    """Every key a transformers config class declares: its fields (dataclass configs), the
+    parameters of its and its bases' `__init__`, and its attribute aliases."""
+    keys = set(getattr(config_class, "attribute_map", {}))
+    if dataclasses.is_dataclass(config_class):
+        keys |= {f.name for f in dataclasses.fields(config_class)}
+    for klass in config_class.__mro__:
+        if "__init__" in vars(klass):
+            keys |= set(inspect.signature(klass.__init__).parameters)
+    return keys

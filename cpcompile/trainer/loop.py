@@ -1,0 +1,311 @@
+"""The training loop: build (mesh, data, model, CP, AC, FSDP2, AdamW + schedule), resume, then
+one optimizer step per global batch, logging and checkpointing as the config says.
+
+Each step: this replica's rows (`data.py`), `shard_batch` for this CP rank, forward to the logits,
+this rank's summed token loss, `global_mean_loss` over `dp x cp` (each valid token counted once;
+gradients are the rank's share, summed by FSDP2), backward, the global gradient norm (clipped
+with `train.grad_clip`), AdamW, the LR schedule. Global rank 0 logs.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..batch import IGNORE_INDEX, global_shift_labels, shard_batch
+from ..dump import prepare_dump_dir
+from ..errors import CPConfigError, PlanError, VerificationError
+from ..loss import global_mean_loss
+from ..mesh import build_mesh
+from ..parity import FACTOR, FLOOR, within_precision
+from ..pipeline import compile as cp_compile
+from ..plan import Plan
+from . import checkpoint
+from .config import TrainConfig, TrainSettings
+from .data import TokenStream
+from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
+from .parallelize import (apply_activation_checkpointing, apply_fsdp, build_model, compile_layers, fsdp_mesh, gradient_scale,
+                          is_rank_zero, parameter_count, rewritten_regions, use_cpcompile_gdn)
+
+
+def check_world_size(plan: Plan) -> None:
+    """One process per rank of the mesh: say how to launch when the job has another number."""
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    want = plan.accelerator.world_size
+    if world == want:
+        return
+    launch = f"launch one per rank: torchrun --nproc-per-node {want} ..."
+    if want == plan.cp_size:  # CP only: name the one size that sets the count
+        raise PlanError("accelerator.cp_size", f"is {want} but the job has {world} process(es); {launch}")
+    raise PlanError("accelerator", f"needs {plan.accelerator.world_size_formula()} processes but the job has "
+                                   f"{world}; {launch}")
+
+
+def rank_dump_dir(dump_dir: str | None, rank: int) -> str | None:
+    """`<dump_dir>/rank<r>`, created now: a folder that cannot be written is an error naming the field."""
+    if dump_dir is None:
+        return None
+    path = os.path.join(dump_dir, f"rank{rank}")
+    try:
+        prepare_dump_dir(path)
+    except CPConfigError as exc:
+        raise PlanError("train.dump_dir", str(exc)) from exc
+    return path
+
+
+def build_optimizer(model: torch.nn.Module, config: TrainConfig):
+    """AdamW and its LR schedule: linear warmup over `warmup_steps`, then cosine down to
+    `lr * min_lr_ratio` at the last step (or constant)."""
+    opt = config.optimizer
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.train.lr, betas=opt.betas, eps=opt.eps,
+                                  weight_decay=opt.weight_decay)
+    total, warmup = config.train.steps, opt.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        if opt.schedule == "constant":
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup - 1))
+        return opt.min_lr_ratio + (1 - opt.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def token_loss_sum(model, batch: dict, targets: torch.Tensor) -> torch.Tensor:
+    """Sum of the next-token cross-entropies over the valid `targets` (already shifted), in
+    float32 at least (float64 for a float64 model)."""
+    logits = model(**{**batch, "use_cache": False}).logits
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    return F.cross_entropy(logits.flatten(0, 1).to(dtype), targets.flatten(), ignore_index=IGNORE_INDEX,
+                           reduction="sum")
+
+
+def _split_targets(batch: dict) -> tuple[dict, torch.Tensor]:
+    """(model inputs, shifted targets) of a sharded batch: the loss is computed here, not by the model."""
+    inputs = {k: v for k, v in batch.items() if k not in ("labels", "shift_labels", "num_items_in_batch")}
+    return inputs, batch["shift_labels"]
+
+
+@dataclasses.dataclass
+class Trainer:
+    """Everything one rank built; `step(i)` runs optimizer step i (0-based)."""
+
+    config: TrainConfig
+    mesh: object
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    stream: TokenStream
+    replica: int
+    references: dict
+    gradient_scale: int
+
+    def step(self, index: int) -> dict:
+        settings = self.config.train
+        cuda = settings.device == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        lr = self.scheduler.get_last_lr()[0]
+        batch = self.stream.batch(index, self.replica, self.config.dp_size)
+        inputs, targets = _split_targets(shard_batch(batch, self.mesh, self.config.plan))
+        local_sum = token_loss_sum(self.model, inputs, targets)
+        loss = global_mean_loss(local_sum, (targets != IGNORE_INDEX).sum(), self.mesh)
+        (loss * self.gradient_scale).backward()
+        grad_norm = self._clip()
+        record = {"step": index + 1, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr}
+        for name, reference in self.references.items():
+            record[f"{name}_loss"] = _reference_step(reference, batch)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        if cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        record.update(seconds=seconds, tokens_per_s=settings.batch_size * settings.seq_len / seconds,
+                      peak_memory_gib=peak_memory_gib(settings.device))
+        return record
+
+    def _clip(self) -> float:
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        if self.config.train.grad_clip is not None:
+            norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if hasattr(norm, "full_tensor"):
+            norm = norm.full_tensor()
+        return norm.item()
+
+
+def _reference_step(reference: tuple, batch: dict) -> float:
+    """One step of an unrewritten copy on the whole batch (verify): its loss."""
+    model, optimizer, scheduler = reference
+    targets = global_shift_labels(batch["labels"])
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    loss = token_loss_sum(model, inputs, targets) / (targets != IGNORE_INDEX).sum().clamp_min(1)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    return loss.item()
+
+
+def build_trainer(config: TrainConfig) -> Trainer:
+    settings = config.train
+    check_world_size(config.plan)
+    mesh = build_mesh(config.plan.accelerator, device_type=settings.device)
+    root = mesh.root
+    replica = root.get_local_rank("dp_replicate") * config.plan.accelerator.dp_shard_size + \
+        root.get_local_rank("dp_shard")
+    dump = rank_dump_dir(settings.dump_dir, dist.get_rank())
+    model = build_model(config.model, settings)
+    stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
+    first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
+    cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=_split_targets(first)[0])
+    use_cpcompile_gdn(model, settings.gdn_backend)
+    if settings.ac_mode == "every_layer":
+        apply_activation_checkpointing(model)
+    if settings.compile_backend:
+        compile_layers(model, settings.compile_backend)
+    sharding = fsdp_mesh(mesh)
+    apply_fsdp(model, sharding, settings)
+    optimizer, scheduler = build_optimizer(model, config)
+    return Trainer(config, mesh, model, optimizer, scheduler, stream, replica, _references(config),
+                   gradient_scale(sharding))
+
+
+def _references(config: TrainConfig) -> dict[str, tuple]:
+    """The unrewritten copies `verify` trains on the whole batch: one in the run's dtype, and in
+    bfloat16 one more in float32 to judge both against (same seed, so the same initial weights)."""
+    settings = config.train
+    if not settings.verify:
+        return {}
+    variants = {"reference": settings}
+    if settings.dtype == "bfloat16":
+        variants["fp32_reference"] = dataclasses.replace(settings, dtype="float32")
+    references = {}
+    for name, variant in variants.items():
+        model = build_model(config.model, variant)
+        use_cpcompile_gdn(model, settings.gdn_backend)
+        references[name] = (model, *build_optimizer(model, config))
+    return references
+
+
+def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: int | None = None) -> list[dict]:
+    """Run the loop; -> one record per step run: step, loss, grad_norm, lr, seconds, tokens_per_s,
+    peak_memory_gib (and with `verify` reference_loss, fp32_reference_loss in bfloat16). Call
+    inside an initialised process group of the mesh's size (torchrun), or let `build_mesh` make
+    one. `stop_after` ends the run after that step (as a preempted job would), schedule unchanged.
+    With `checkpoint.folder`, a checkpoint is saved every `interval` steps and after the last
+    step run; the latest one there is resumed from when `checkpoint.resume`."""
+    settings, saving = config.train, config.checkpoint
+    latest = checkpoint.latest_step(saving.folder) if saving.resume else None
+    if latest is not None:
+        checkpoint.check_resumable(saving.folder, latest, config.plan.accelerator)
+    trainer = build_trainer(config)
+    first = 0
+    if latest is not None:
+        first = checkpoint.load(saving.folder, latest, trainer.model, trainer.optimizer, trainer.scheduler)
+        if is_rank_zero():
+            log(f"resumed from {checkpoint.step_folder(saving.folder, latest)} at step {first}")
+    last = settings.steps if stop_after is None else min(settings.steps, stop_after)
+    metrics = MetricsLog(settings.metrics_file, settings.steps, log, is_rank_zero(), append=first > 0)
+    records = []
+    try:
+        for index in range(first, last):
+            record = trainer.step(index)
+            records.append(record)
+            metrics.step(record)
+            check_finite(record)
+            if settings.verify:
+                _verify(record, settings, trainer.mesh)
+            done = index + 1
+            if saving.folder and ((saving.interval and done % saving.interval == 0) or done == last):
+                checkpoint.save(saving.folder, done, trainer.model, trainer.optimizer, trainer.scheduler,
+                                checkpoint.mesh_sizes(config.plan.accelerator))
+    finally:
+        metrics.close()
+    if is_rank_zero():
+        if settings.verify and records:
+            log(f"verify: PASS: {_tolerance(settings)}, every step of {len(records)}")
+        log(summary(records, settings.batch_size * settings.seq_len))
+    return records
+
+
+def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
+    """Build everything a run builds, print the mesh, the plan's coverage and a memory estimate
+    per rank, and run no step; -> the same facts as a dict."""
+    trainer = build_trainer(config)
+    accelerator = config.plan.accelerator
+    regions = rewritten_regions(trainer.model)
+    estimate = memory_estimate(config, parameter_count(trainer.model), trainer.model.config)
+    if is_rank_zero():
+        log(f"mesh: {accelerator.world_size_formula()}; FSDP2 over dp_shard x cp = "
+            f"{accelerator.dp_shard_size * accelerator.cp_size} ranks, replicated over dp_replicate = "
+            f"{accelerator.dp_replicate_size}")
+        log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size}")
+        for name, method in regions:
+            log(f"  {name}: {method}")
+        log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
+    return {"regions": regions, "memory_gib": estimate}
+
+
+def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
+    """A rough per-rank estimate: sharded parameters, gradients and two AdamW moments; the saved
+    activations (one hidden state per layer with activation checkpointing, ~16 per layer without);
+    the logits and their float32 loss copies."""
+    settings, accelerator = config.train, config.plan.accelerator
+    element = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
+    shards = accelerator.dp_shard_size * accelerator.cp_size
+    text = model_config.get_text_config()
+    tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
+    per_layer = 1 if settings.ac_mode == "every_layer" else 16
+    gib = 2.0 ** 30
+    states = 4 * params * element / shards / gib
+    activations = text.num_hidden_layers * per_layer * tokens * text.hidden_size * element / gib
+    logits = tokens * text.vocab_size * (element + 8) / gib
+    return {"states": states, "activations": activations, "logits": logits,
+            "total": states + activations + logits}
+
+
+def _tolerance(settings: TrainSettings) -> str:
+    if settings.dtype == "bfloat16":
+        return (f"the bfloat16 CP loss within {FACTOR:g}x the bfloat16 copy's difference from the float32 copy "
+                f"+ {FLOOR:g}")
+    return f"the CP loss within {settings.verify_rtol:.0e} (train.verify_rtol) of the unrewritten copy's"
+
+
+def _verify(record: dict, settings: TrainSettings, mesh) -> None:
+    """Raise `VerificationError` on every rank when this step's CP loss is off its reference.
+    The ranks hold the same numbers; they still agree by one all-reduce, so none waits alone."""
+    failure = step_failure(record, settings, mesh.cp_size)
+    failed = torch.tensor([float(failure is not None)], device=settings.device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=mesh.cp_group)
+    if failed.item():
+        raise VerificationError(failure or f"train.verify: step {record['step']}: another rank's reference "
+                                           "disagreed with the CP loss beyond the tolerance")
+
+
+def step_failure(record: dict, settings: TrainSettings, cp_size: int) -> str | None:
+    """None when the step passes, else one line saying by how much it missed (NaN misses)."""
+    loss, reference = record["loss"], record["reference_loss"]
+    where = f"train.verify: step {record['step']}:"
+    if "fp32_reference_loss" in record:
+        exact = record["fp32_reference_loss"]
+        cp_error, single_error = relative(loss, exact), relative(reference, exact)
+        if within_precision(cp_error, single_error):
+            return None
+        return (f"{where} the bfloat16 CP={cp_size} loss {loss:.6f} is {cp_error:.1e} off the float32 copy's "
+                f"{exact:.6f}, more than {FACTOR:g} x the bfloat16 copy's {single_error:.1e} + {FLOOR:g}")
+    error = relative(loss, reference)
+    if error <= settings.verify_rtol:
+        return None
+    return (f"{where} CP={cp_size} loss {loss:.6f} vs CP=1 loss {reference:.6f}, rel. diff {error:.1e} > "
+            f"train.verify_rtol {settings.verify_rtol:.0e}")

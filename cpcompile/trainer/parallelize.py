@@ -1,0 +1,147 @@
+"""Build the model and parallelize it, in this order: CP rewrite, activation checkpointing,
+`torch.compile`, FSDP2.
+
+- **CP** (`cpcompile.compile`): the plan's regions are rewritten in place on the full,
+  unsharded model, from a probe forward on the first batch. Each rewritten region reads its
+  parameters from the live module at call time, so FSDP2 may shard them afterwards.
+- **Activation checkpointing**: every decoder layer's forward runs under
+  `torch.utils.checkpoint` (non-reentrant). The recompute replays the layer's forward, so the
+  rewritten regions inside issue their forward collectives a second time, during the backward,
+  in the same order on every rank (every rank recomputes the same layers at the same point of
+  its backward; the regions' graphs are cached per input signature, so no rank re-traces or
+  re-agrees alone).
+- **torch.compile** (`compile_backend`): each decoder layer on its own, its checkpointing
+  inside (one compiled graph per layer; compiling the whole model around checkpointed layers
+  makes the recompute take another graph than the forward, which `torch.utils.checkpoint`
+  refuses). With checkpointing, Dynamo cannot trace a checkpointed layer holding a CP region
+  (the region's call breaks the graph, and a break inside a checkpoint falls back to eager for
+  the whole layer): those layers run eagerly, correct but not compiled.
+- **FSDP2** (`fully_shard`): each decoder layer, then the root, shard over the flattened
+  `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. The loss
+  contract (`cpcompile.loss.global_mean_loss`) gives each rank its share of the global mean, so
+  gradients must be summed; FSDP2 averages them over all its ranks (a divide factor of 1 would
+  need PREMUL_SUM, which gloo lacks), so the loop scales the backward by that rank count
+  (`gradient_scale`).
+"""
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.checkpoint import checkpoint
+
+from ..adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
+from ..errors import PlanError
+from ..kernels.gdn.common import CHUNK_SIZE
+from ..mesh import CPMesh
+from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
+from .config import DTYPES, TrainSettings, model_config, transformers_module
+
+
+
+def build_model(raw_model_config: dict, settings: TrainSettings) -> torch.nn.Module:
+    """The same randomly initialised causal LM on every rank (seeded), SDPA attention; with
+    `gdn_backend`, every GDN layer not rewritten by CP runs cpcompile's own core."""
+    transformers = transformers_module()
+    config = model_config(raw_model_config)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(settings.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.to(device=settings.device, dtype=DTYPES[settings.dtype])
+
+
+def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None) -> int:
+    """Route every GDN layer that CP did not rewrite through cpcompile's statement of the layer
+    with the `backend` core (the same algorithm as the rewritten layers); -> how many."""
+    if backend is None:
+        return 0
+
+    def forward(self, hidden_states, attention_mask=None, **_):
+        return gdn_layer_forward(self, hidden_states, attention_mask, chunk_size=CHUNK_SIZE, backend=backend)
+
+    layers = [m for m in model.modules() if is_gdn_layer(m) and not hasattr(m, REWRITTEN_MARK)]
+    for layer in layers:
+        layer.forward = types.MethodType(forward, layer)
+    return len(layers)
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The model's stack of decoder layers (the largest `layers` ModuleList)."""
+    stacks = [m for name, m in model.named_modules()
+              if isinstance(m, torch.nn.ModuleList) and name.rsplit(".", 1)[-1] == "layers"]
+    if not stacks:
+        raise PlanError("model", f"{type(model).__name__} has no `layers` ModuleList: the trainer wraps decoder "
+                                 "layers for activation checkpointing and FSDP")
+    return max(stacks, key=len)
+
+
+def apply_activation_checkpointing(model: torch.nn.Module) -> int:
+    """Every decoder layer's forward under non-reentrant `torch.utils.checkpoint`; -> layers wrapped.
+    The layer's own `__call__` (FSDP's hooks) stays outside: FSDP unshards the parameters
+    before the backward reaches the layer, and so before its recompute."""
+    layers = decoder_layers(model)
+    for layer in layers:
+        inner = layer.forward
+
+        @functools.wraps(inner)
+        def forward(*args, _inner=inner, **kwargs):
+            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
+
+        layer.forward = forward
+    return len(layers)
+
+
+def compile_layers(model: torch.nn.Module, backend: str) -> None:
+    """`torch.compile` every decoder layer (after activation checkpointing, before FSDP2)."""
+    for layer in decoder_layers(model):
+        layer.compile(backend=backend)
+
+
+def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
+    """The mesh FSDP2 runs over: `dp_shard x cp` flattened, with `dp_replicate` in front (HSDP)
+    when it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp
+    with pp = tp = 1, so the ranks are in the same order)."""
+    accelerator = mesh.accelerator
+    if accelerator.dp_replicate_size == 1:
+        return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    shape = (accelerator.dp_replicate_size, accelerator.dp_shard_size * accelerator.cp_size)
+    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+
+
+def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, settings: TrainSettings) -> None:
+    """`fully_shard` every decoder layer, then the root (gradients averaged: see `gradient_scale`)."""
+    param_dtype, reduce_dtype = settings.precision_policy()
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    layers = decoder_layers(model)
+    for index, layer in enumerate(layers):
+        # the last layer's parameters are needed again at once by the backward: keep them gathered
+        fully_shard(layer, mesh=mesh, mp_policy=policy, reshard_after_forward=index < len(layers) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+
+
+def gradient_scale(mesh: DeviceMesh) -> int:
+    """What the backward's loss is multiplied by so that FSDP2's average of the ranks' gradient
+    shares is their sum: its number of ranks (every dimension of its mesh)."""
+    return mesh.size()
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def rewritten_regions(model: torch.nn.Module) -> list[tuple[str, str]]:
+    """(module FQN, method) of every region CP rewrote: the plan's coverage."""
+    regions = []
+    for name, module in model.named_modules():
+        mark = getattr(module, REWRITTEN_MARK, None)
+        if mark is not None:
+            regions.append((name, str(mark["method"])))
+    return regions
+
+
+def is_rank_zero() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,68 @@
+"""`cpcompile compare`: the CI parity case (issue 15 item 5) and the judge's verdicts."""
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import yaml
+
+from dist_utils import run_distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+EXAMPLES = os.path.join(ROOT, "examples")
+
+
+def _train_file(rank: int, world: int, path: str, steps: int, metrics: str) -> None:
+    import dataclasses
+
+    from cpcompile.trainer import load_train_config, train
+
+    config = load_train_config(path).with_steps(steps)
+    train(dataclasses.replace(config, train=dataclasses.replace(config.train, metrics_file=metrics)),
+          log=lambda _: None)
+
+
+def _fork_launch(path: str, processes: int, steps: int, metrics: str) -> None:
+    """What `torchrun` does for `compare`, with forked ranks (seconds cheaper on the CI box)."""
+    run_distributed(_train_file, processes, path, steps, metrics, init_pg=False, timeout=600)
+
+
+def _with_seed(tmp_path, name: str, seed: int) -> str:
+    with open(os.path.join(EXAMPLES, name), encoding="utf-8") as handle:
+        config = yaml.safe_load(handle)
+    config["train"]["seed"] = seed
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_fsdp_x_cp_matches_one_process_over_20_float64_steps(tmp_path):
+    """The example pair: tiny Qwen3.5 (GDN State-P2P + SDPA AllGather) on 4 gloo ranks as
+    dp_shard 2 x cp 2, against one process without CP: 20 steps, every loss and grad-norm within
+    1e-6; the JSONL files, the table (and the plot, with matplotlib) are written."""
+    from cpcompile.trainer.compare import compare_configs
+
+    seed = random.randrange(1 << 30)
+    a = _with_seed(tmp_path, "parity_qwen3_5_fsdp_cp.yaml", seed)
+    b = _with_seed(tmp_path, "parity_qwen3_5_single.yaml", seed)
+    out = str(tmp_path / "out")
+    result = compare_configs(a, b, 20, 1e-6, out, launch=_fork_launch, log=lambda _: None)
+    assert result.passed and len(result.rows) == 20, result.table
+    assert result.rows[-1]["loss_a"] < result.rows[0]["loss_a"], result.table  # it trains
+    for name in ("a.jsonl", "b.jsonl", "compare.md"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    if result.plot is not None:
+        assert os.path.getsize(result.plot) > 0
+
+
+@pytest.mark.parametrize("b_loss, b_steps, passes", [(2.0, 3, True), (2.001, 3, False), (2.0, 2, False),
+                                                     (float("nan"), 3, False)])
+def test_the_judge_fails_a_difference_a_missing_step_or_nan(b_loss, b_steps, passes):
+    from cpcompile.trainer.compare import judge
+
+    a = [{"step": s, "loss": 2.0, "grad_norm": 1.0} for s in (1, 2, 3)]
+    b = [{"step": s, "loss": b_loss if s == 2 else 2.0, "grad_norm": 1.0} for s in (1, 2, 3)][:b_steps]
+    result = judge(a, b, 1e-6)
+    assert result.passed == passes, result.table
+    assert result.table.splitlines()[-1].startswith("PASS" if passes else "FAIL")
