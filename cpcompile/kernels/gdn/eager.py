@@ -232,6 +232,16 @@ def _decay_matrix(gamma: Tensor, segments: Tensor | None, *, include_diagonal: b
     return diff.masked_fill(above, float("-inf")).exp()
 
 
+def _cumsum_within_documents(g: Tensor, segments: Tensor) -> Tensor:
+    """Inclusive cumsum of g inside each chunk restarting at every document start, as one masked
+    ``[C, C]`` product per chunk: another document's decay is multiplied by 0, not added and
+    subtracted again, so its value cannot reach this document's rounding either."""
+    chunk = g.shape[-1]
+    upto = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    same = upto & (segments[..., :, None] == segments[..., None, :])
+    return (same.to(g.dtype) @ g[..., None]).squeeze(-1)
+
+
 def _masked_exp(exponent: Tensor, keep: Tensor | None) -> Tensor:
     """``exp(exponent)``, 0 where not ``keep`` (masked before ``exp``: no inf, no NaN gradient)."""
     return exponent.exp() if keep is None else exponent.masked_fill(~keep, float("-inf")).exp()
@@ -246,7 +256,7 @@ def _from_chunk_start(wy: "_ChunkWY") -> Tensor:
 class _ChunkWY(NamedTuple):
     """Intra-chunk quantities that do not depend on the chunk's entering state."""
 
-    gamma: Tensor  # [B, H, N, C] inclusive cumsum of g inside each chunk
+    gamma: Tensor  # [B, H, N, C] inclusive cumsum of g inside each chunk (and document)
     updates: Tensor | None  # U = T (beta v)              [B, H, N, C, V]
     state_readers: Tensor  # W = T (beta exp(gamma) k)   [B, H, N, C, K]
     segments: Tensor | None  # `_segments`, or None for one document
@@ -258,7 +268,7 @@ def _chunk_wy(k: Tensor, v: Tensor | None, g: Tensor, beta: Tensor, segments: Te
     One triangular solve per chunk replaces C sequential rank-1 delta updates; U and W share the
     solve by stacking their right-hand sides.
     """
-    gamma = g.cumsum(dim=-1)
+    gamma = g.cumsum(dim=-1) if segments is None else _cumsum_within_documents(g, segments)
     system = (k @ k.transpose(-1, -2)) * beta[..., None] * _decay_matrix(gamma, segments, include_diagonal=False)
     start_decay = _masked_exp(gamma, None if segments is None else segments == 0)  # `_from_chunk_start`
     k_rhs = k * (beta * start_decay)[..., None]
