@@ -139,8 +139,9 @@ class GdnRegion:
                                  "inference cache or incremental decoding (use_cache=False)")
         for name in PACKED_KWARGS:
             if kwargs.get(name) is not None:
-                raise CPInputError(f"{fqn}: called with {name}; packed / varlen inputs are not supported by GDN "
-                                 "context parallelism")
+                raise CPInputError(f"{fqn}: called with {name}; GDN context parallelism takes packed documents "
+                                 "from the batch: pass position ids restarting at 0 (or cu_seq_lens) through "
+                                 "cpcompile.shard_batch")
         if len(args) > 1 and args[1] is not None:  # (hidden_states, cache, attention_mask) in transformers 5.x
             raise CPInputError(f"{fqn}: called with a cache argument; GDN context parallelism does not support an "
                              "inference cache or incremental decoding (use_cache=False)")
