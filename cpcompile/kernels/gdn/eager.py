@@ -32,6 +32,11 @@ So every chunk's ``(M_c, S_c)`` summary is computed in parallel; the only serial
 chain ``H_{c+1} = M_c H_c + S_c``, after which all outputs are again one batched computation. The
 same per-chunk summaries, tree-reduced, give a segment's ``(M, S)`` for State-P2P / AllGather CP.
 The affine algebra on summaries lives in ``summary``.
+
+Packed documents (``starts [B, T]``, the first token of each): a start resets the state, so every
+decay that crosses one is 0 — inside a chunk the decay sums restart at each start, the decay
+matrix, ``exp(gamma)`` and ``exp(gamma_C - gamma_t)`` are masked across starts, and a chunk (or a
+segment) holding a start has ``M = 0``.
 """
 
 from __future__ import annotations
@@ -247,10 +252,10 @@ def _masked_exp(exponent: Tensor, keep: Tensor | None) -> Tensor:
     return exponent.exp() if keep is None else exponent.masked_fill(~keep, float("-inf")).exp()
 
 
-def _from_chunk_start(wy: "_ChunkWY") -> Tensor:
+def _from_chunk_start(gamma: Tensor, segments: Tensor | None) -> Tensor:
     """``exp(gamma_t)``: how much of the chunk's entering state token t still sees (0 from a
     document start on)."""
-    return _masked_exp(wy.gamma, None if wy.segments is None else wy.segments == 0)
+    return _masked_exp(gamma, None if segments is None else segments == 0)
 
 
 class _ChunkWY(NamedTuple):
@@ -270,8 +275,7 @@ def _chunk_wy(k: Tensor, v: Tensor | None, g: Tensor, beta: Tensor, segments: Te
     """
     gamma = g.cumsum(dim=-1) if segments is None else _cumsum_within_documents(g, segments)
     system = (k @ k.transpose(-1, -2)) * beta[..., None] * _decay_matrix(gamma, segments, include_diagonal=False)
-    start_decay = _masked_exp(gamma, None if segments is None else segments == 0)  # `_from_chunk_start`
-    k_rhs = k * (beta * start_decay)[..., None]
+    k_rhs = k * (beta * _from_chunk_start(gamma, segments))[..., None]
     rhs = k_rhs if v is None else torch.cat([v * beta[..., None], k_rhs], dim=-1)
     # unitriangular=True: the system is I + strictly-lower A; the zero diagonal we pass is ignored.
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
@@ -285,9 +289,8 @@ def _keys_to_chunk_end(k: Tensor, wy: _ChunkWY) -> Tensor:
     """``k_t * exp(gamma_C - gamma_t)``: each key as still visible in the state at the chunk's end
     (0 for a key of a document that ended inside the chunk)."""
     gamma, segments = wy.gamma, wy.segments
-    if segments is None:
-        return k * (gamma[..., -1:] - gamma).exp()[..., None]
-    return k * _masked_exp(gamma[..., -1:] - gamma, segments == segments[..., -1:])[..., None]
+    same_as_end = None if segments is None else segments == segments[..., -1:]
+    return k * _masked_exp(gamma[..., -1:] - gamma, same_as_end)[..., None]
 
 
 def _chunk_transition(k: Tensor, wy: _ChunkWY) -> Tensor:
@@ -296,8 +299,7 @@ def _chunk_transition(k: Tensor, wy: _ChunkWY) -> Tensor:
     key_dim = k.shape[-1]
     eye = torch.eye(key_dim, dtype=k.dtype, device=k.device)
     decayed_keys = _keys_to_chunk_end(k, wy)
-    end = wy.gamma[..., -1]
-    end_decay = end.exp() if wy.segments is None else _masked_exp(end, wy.segments[..., -1] == 0)
+    end_decay = _from_chunk_start(wy.gamma[..., -1], None if wy.segments is None else wy.segments[..., -1])
     return end_decay[..., None, None] * eye - decayed_keys.transpose(-1, -2) @ wy.state_readers
 
 
@@ -318,7 +320,7 @@ def _scan_chunk_states(M: Tensor, S: Tensor, state: Tensor) -> tuple[Tensor, Ten
 
 def _output_state_readout(q: Tensor, wy: _ChunkWY, intra: Tensor) -> Tensor:
     """``exp(gamma) q - intra @ W``: how each output reads the chunk's entering state ``[.., C, K]``."""
-    return q * _from_chunk_start(wy)[..., None] - intra @ wy.state_readers
+    return q * _from_chunk_start(wy.gamma, wy.segments)[..., None] - intra @ wy.state_readers
 
 
 def _intra_chunk_scores(q: Tensor, k: Tensor, wy: _ChunkWY) -> Tensor:
