@@ -135,4 +135,12 @@ PREFIX = "target."
 
 
 def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False)
+    # A region may meet a new signature inside a checkpointed forward (activation checkpointing):
+    # its saved-tensor hooks must not count what tracing saves, or the recompute, which finds the
+    # graph cached, saves "a different number of tensors". Plain hooks shadow them while tracing.
+    with torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
+        return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False)
+
+
+def _unchanged(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor

@@ -71,6 +71,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     check_coverage(targets, probe.core_sites)
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
     documents = DocumentFeed()
+    if isinstance(example, dict):  # a packed example traces the regions that read documents for it
+        documents.update(example.get("position_ids"))
     installs = []
     for target in targets:
         args, kwargs = probe.inputs[target.fqn]

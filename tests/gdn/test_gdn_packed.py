@@ -58,10 +58,20 @@ def each_document_alone(model, batch: dict, spans) -> dict:
             "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
-def _errors(world: int, seed: int, dtype) -> dict:
+def _errors(world: int, seed: int, dtype, checkpointed: bool = False) -> dict:
+    """`checkpointed`: with activation checkpointing, and compiled for an unpacked batch, so that the
+    regions trace the packed call inside a checkpointed forward."""
     batch, spans = packed_batch(seed, world)
     want = each_document_alone(use_reference_gdn(tiny_qwen3_5(seed, dtype)), batch, spans)
-    got = cp_outputs(lambda: tiny_qwen3_5(seed, dtype), batch, mixed_plan(world))
+
+    def make():
+        model = tiny_qwen3_5(seed, dtype)
+        if checkpointed:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    unpacked = dict(batch, position_ids=torch.arange(batch["input_ids"].shape[1])[None]) if checkpointed else None
+    got = cp_outputs(make, batch, mixed_plan(world), traced_with=unpacked)
     return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]),
             "grads": {n: rel(got["grads"][n], g) for n, g in want["grads"].items() if n in got["grads"]},
             "missing_grads": sorted(set(want["grads"]) - set(got["grads"])), "compiled": got["compiled"]}
@@ -92,6 +102,7 @@ def _run_all(rank: int, world: int, seed: int) -> dict:
     out = {"float64": _errors(world, seed, torch.float64), "float32": _errors(world, seed + 1, torch.float32)}
     if world == 2:
         out["leak"] = _leak(world, seed + 2)
+        out["checkpointed"] = _errors(world, seed + 3, torch.float64, checkpointed=True)
     return out
 
 
@@ -121,6 +132,13 @@ def test_packed_gdn_float32_equals_each_document_alone(world):
         rest, decay = without_decay(result["float32"])
         assert_equivalent(rest)
         assert decay <= 1e-2, result["float32"]
+
+
+def test_packed_gdn_under_activation_checkpointing():
+    for result in results_for(2):
+        rest, decay = without_decay(result["checkpointed"])
+        assert_equivalent(rest, tol=1e-6)
+        assert decay <= 1e-4, result["checkpointed"]
 
 
 def test_no_leak_across_documents():
