@@ -23,7 +23,7 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from .documents import end_documents, is_packed, positions_from_cu_seq_lens
+from .documents import end_documents, is_packed, mark_packed, positions_from_cu_seq_lens
 from .errors import CPConfigError, CPInputError
 from .methods import CONTIGUOUS, HEAD_TAIL
 from .plan import load_plan
@@ -285,8 +285,9 @@ def shard_batch(
     Packed documents (`cpcompile.documents`): ``position_ids`` restarting at 0 at every document,
     or ``cu_seq_lens`` with one row (turned into such position ids). The last token of every
     document predicts nothing (its ``shift_labels`` entry is -100), documents may cross rank
-    boundaries, and the SDPA rewrites attend within documents only; GDN plans refuse them (not
-    supported yet), and a packed batch cannot also carry padding.
+    boundaries, the SDPA rewrites attend within documents only and the GDN rewrites reset their state
+    at every document start (eager backend; triton GDN plans refuse them), and a packed batch cannot
+    also carry padding.
 
     Head-Tail, or a packed batch, without a user mask gets an all-ones ``attention_mask`` when
     cp > 1: transformers would read the jumps in the local position ids as packed documents of its
@@ -356,19 +357,21 @@ def shard_batch(
     local["use_cache"] = False
     if index is not None:
         mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
+        mark_packed(local["position_ids"], packed)
     return local
 
 
 def _check_packing_supported(plan: Any, cp_size: int) -> None:
-    """Packed documents reach the SDPA rewrites through the attention's position ids; the GDN
-    rewrites cannot tell documents apart yet, so a plan with a GDN method refuses them."""
+    """Packed documents reach the SDPA rewrites through the attention's position ids, and the GDN
+    rewrites through the compiled model (`documents.DocumentFeed`); the triton GDN kernels cannot
+    reset their state at document starts yet, so a plan using them refuses packed batches."""
     if cp_size == 1 or plan is None:
         return
-    gdn = [o for o in plan.active_overrides() if o.method is not None and o.method.core == "gdn"]
+    gdn = [o for o in _as_plan(plan).active_overrides()
+           if o.method is not None and o.method.core == "gdn" and o.method.params.get("backend") != "eager"]
     if gdn:
-        raise CPInputError(f"shard_batch: packed documents are not supported by GDN context parallelism yet "
-                           f"({gdn[0].field('inner_wrapper')}: {gdn[0].method.describe()}); the SDPA methods "
-                           "support them")
+        raise CPInputError(f"shard_batch: packed documents are not supported by the triton GDN backend yet "
+                           f"({gdn[0].field('inner_wrapper')}: {gdn[0].method.describe()}); use backend='eager'")
 
 
 def _pad_fields(fields: dict[str, torch.Tensor], extra: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -446,10 +449,15 @@ class LayoutGuard:
     per position-id shape. Without position ids the model would number every rank's tokens from
     0, so they are required. This catches a global batch fed to every rank (on all ranks but
     the first, whose slice starts at 0 as well) and a batch sliced for another layout or rank.
+
+    A model whose regions read the documents from the position ids' mark (GDN: `documents.DocumentFeed`)
+    checks unmarked position ids on every call (`every_call`): one flag read back from the device,
+    so that a packed batch that lost its mark is refused, never run as one document.
     """
 
-    def __init__(self, cp_size: int, cp_rank: int, layout: str):
+    def __init__(self, cp_size: int, cp_rank: int, layout: str, *, every_call: bool = False):
         self.expected = ShardLayout(layout, cp_size, cp_rank)
+        self.every_call = every_call
         self.checked_shapes: set[tuple[int, ...]] = set()
 
     def check(self, position_ids: torch.Tensor | None) -> None:
@@ -467,7 +475,7 @@ class LayoutGuard:
                     f"{self.expected.describe()}: shard it with the plan and mesh the model was compiled with"
                 )
             return
-        if tuple(position_ids.shape) not in self.checked_shapes:
+        if self.every_call or tuple(position_ids.shape) not in self.checked_shapes:
             self._check_values(position_ids)
             self.checked_shapes.add(tuple(position_ids.shape))
 

@@ -135,4 +135,5 @@ PREFIX = "target."
 
 
 def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    # (inside a checkpointed forward, `InstalledRegion` shields this from the checkpoint's saved-tensor hooks)
     return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False)

@@ -6,6 +6,12 @@ every document (any batch size), or as `cu_seq_lens` — the cumulative document
 token's document starts at its global position minus its position id, which is how the SDPA
 rewrites tell documents apart (`passes/sdpa/fragments.gathered_key_tags`), and a document's last
 token predicts nothing (`end_documents`).
+
+A GDN layer is called without position ids (the decoder layer keeps them), so the compiled model
+hands them on itself: `shard_batch` marks whether the global batch is packed on the local
+position ids (`mark_packed`, decided once, on the global batch, alike on every rank), the model's
+pre-hook reads the mark (`DocumentFeed`), and the GDN regions take the position ids of a packed
+batch as one more input; for one document per row they get None and run exactly as before.
 """
 from __future__ import annotations
 
@@ -14,6 +20,29 @@ import torch
 from .errors import CPInputError
 
 IGNORE_INDEX = -100
+PACKED_MARK = "_cpcompile_packed"  # set by `shard_batch` on the local position ids
+
+
+def mark_packed(position_ids: torch.Tensor, packed: bool) -> None:
+    """Record on the local position ids whether the global batch holds packed documents."""
+    setattr(position_ids, PACKED_MARK, packed)
+
+
+class DocumentFeed:
+    """The position ids of the compiled model's current call when its batch is packed (None when
+    not), for regions whose own call lacks them (GDN). Set by the model's pre-hook on every call.
+
+    Only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must hold the
+    plain global positions of this rank's slice, which `batch.LayoutGuard` checks on every call of
+    a model with such regions, so that packed documents never pass as one.
+    """
+
+    def __init__(self) -> None:
+        self.positions: torch.Tensor | None = None
+
+    def update(self, position_ids: torch.Tensor | None) -> None:
+        packed = position_ids is not None and getattr(position_ids, PACKED_MARK, False)
+        self.positions = position_ids if packed else None
 
 
 def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:

@@ -15,6 +15,7 @@ from .agreement import ITEM_SEPARATOR, agree, plan_fields
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
+from .documents import DocumentFeed
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
@@ -73,20 +74,26 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
     check_coverage(targets, probe.core_sites)
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
+    documents = DocumentFeed()
+    if isinstance(example, dict):  # a packed example traces the regions that read documents for it
+        documents.update(example.get("position_ids"))
     installs = []
     for target in targets:
         args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn]))
+        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
-    install_layout_guard(model, LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout()))
+    reads_documents = any(installed.reads_documents for installed in installs)
+    guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_documents)
+    install_layout_guard(model, guard, documents)
     return model
 
 
-def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
+def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: DocumentFeed | None = None) -> None:
     """Check every call's `position_ids` against this rank's slice of the plan's layout
     (`batch.LayoutGuard`), for a model that takes them: a token-batch model, such as a Hugging
-    Face causal LM (a module taking, say, q, k and v has no batch layout to check)."""
+    Face causal LM (a module taking, say, q, k and v has no batch layout to check). The same
+    hook hands a packed batch's position ids to the regions that read them (`documents`)."""
     parameters = list(inspect.signature(model.forward).parameters)
     if "position_ids" not in parameters:
         return
@@ -94,7 +101,10 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
 
     @torch.compiler.disable  # a Python check of the call, not part of the model's graph
     def check(_module, args, kwargs):
-        guard.check(kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None))
+        position_ids = kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None)
+        guard.check(position_ids)
+        if documents is not None:
+            documents.update(position_ids)
 
     model.register_forward_pre_hook(check, with_kwargs=True)
 
@@ -204,11 +214,14 @@ class InstalledRegion:
     """
 
     def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict,
-                 tp_linears: list | None = None):
+                 tp_linears: list | None = None, documents: DocumentFeed | None = None):
         self.target = target
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
             self.region.bind(target, mesh)
+        # a region whose call lacks the position ids (GDN) takes a packed batch's from the model's hook
+        self.reads_documents = getattr(self.region, "reads_documents", False)
+        self.documents = documents or DocumentFeed()
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
         self.tp_linears = tp_linears or []  # tensor-parallel linears in the region (tp.py)
@@ -219,15 +232,21 @@ class InstalledRegion:
         # shared signatures the cp group agreed on; never dropped, unlike graphs: whether a call
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
-        self._build(*self.region.prepare_call(target.fqn, args, kwargs))
+        self._build(*self._prepare(args, kwargs))
 
     def install(self) -> None:
         module = self.target.module
         module.forward = self
         setattr(module, MARKER, {"fqn": self.target.fqn, "method": self.target.override.method.describe()})
 
-    def __call__(self, *args, **kwargs):
+    def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
+        if self.reads_documents:
+            kwargs = {**kwargs, "document_positions": self.documents.positions}
+        return args, kwargs
+
+    def __call__(self, *args, **kwargs):
+        args, kwargs = self._prepare(args, kwargs)
         leaves, key = flatten_call(self.target.fqn, args, kwargs)
         program = self.programs.get(key)
         if program is None:

@@ -57,8 +57,15 @@ def is_gdn_layer(module: nn.Module) -> bool:
 
 
 def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                      *, chunk_size: int, backend: str) -> torch.Tensor:
-    """One Qwen3.5 GDN layer (training, no cache), as the graph CP rewrites see it."""
+                      document_positions: torch.Tensor | None = None, *, chunk_size: int,
+                      backend: str) -> torch.Tensor:
+    """One Qwen3.5 GDN layer (training, no cache), as the graph CP rewrites see it.
+
+    `document_positions` (`[B or 1, T]`, a packed batch only) are the tokens' positions inside
+    their documents: the state resets where they are 0, and the conv reads no token of an earlier
+    document (`conv_within_documents`). Positions are all the layer needs, on a CP rank too: the
+    halo the rewrite fills in comes from before a token only when its position says it may.
+    """
     if attention_mask is not None:  # padded positions contribute nothing (HF zeroes them too)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     batch, length, _ = hidden_states.shape
@@ -71,7 +78,13 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
 
     weight = layer.conv1d.weight
     history = F.pad(mixed.to(weight.dtype), (weight.shape[-1] - 1, 0))  # causal left context: CP fills it
-    conv = F.conv1d(history, weight, layer.conv1d.bias, groups=mixed.shape[1])
+    starts = None
+    if document_positions is None:
+        conv = F.conv1d(history, weight, layer.conv1d.bias, groups=mixed.shape[1])
+    else:
+        positions = document_positions.expand(batch, length)
+        conv = conv_within_documents(history, weight, layer.conv1d.bias, positions)
+        starts = positions == 0
     mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
 
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
@@ -82,10 +95,32 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
 
-    core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, key_dim**-0.5, chunk_size, backend)
+    core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, key_dim**-0.5, chunk_size, backend,
+                                         starts)
     core = core.to(value.dtype)
     core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
     return layer.out_proj(core.reshape(batch, length, -1))
+
+
+def conv_within_documents(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                          positions: torch.Tensor) -> torch.Tensor:
+    """The causal depthwise conv, each output reading only tokens of its own document.
+
+    `history [B, C, T + K - 1]` is the conv input with its K − 1 tokens of left context, `weight
+    [C, 1, K]`, `positions [B, T]`. Output t reads the token j steps back (weight tap K − 1 − j)
+    only when `j <= positions[t]`: a token of another document is never read (not read and
+    subtracted), so moving it changes nothing, bit for bit. K elementwise terms, linear in T.
+    """
+    kernel, length = weight.shape[-1], positions.shape[-1]
+    out = None
+    for tap in range(kernel):
+        back = kernel - 1 - tap
+        tokens = history[..., tap:tap + length]
+        if back:
+            tokens = torch.where((positions >= back)[:, None], tokens, 0.0)
+        term = tokens * weight[:, 0, tap, None]
+        out = term if out is None else out + term
+    return out if bias is None else out + bias[:, None]
 
 
 class GdnRegion:
@@ -104,8 +139,9 @@ class GdnRegion:
                                  "inference cache or incremental decoding (use_cache=False)")
         for name in PACKED_KWARGS:
             if kwargs.get(name) is not None:
-                raise CPInputError(f"{fqn}: called with {name}; packed / varlen inputs are not supported by GDN "
-                                 "context parallelism")
+                raise CPInputError(f"{fqn}: called with {name}; GDN context parallelism takes packed documents "
+                                 "from the batch: pass position ids restarting at 0 (or cu_seq_lens) through "
+                                 "cpcompile.shard_batch")
         if len(args) > 1 and args[1] is not None:  # (hidden_states, cache, attention_mask) in transformers 5.x
             raise CPInputError(f"{fqn}: called with a cache argument; GDN context parallelism does not support an "
                              "inference cache or incremental decoding (use_cache=False)")
@@ -117,8 +153,14 @@ class GdnRegion:
             raise CPInputError(f"{fqn}: GDN layers take a 2-D padding mask, got shape {tuple(mask.shape)}")
         return (hidden,), {"attention_mask": mask}
 
-    def forward(self, layer: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None) -> torch.Tensor:
-        return gdn_layer_forward(layer, hidden_states, attention_mask, chunk_size=self.chunk_size, backend=self.backend)
+    # The layer's call has no position ids (the decoder layer keeps them): the compiled model hands
+    # a packed batch's to the region as `document_positions` (`pipeline.DocumentFeed`).
+    reads_documents = True
+
+    def forward(self, layer: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,
+                document_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return gdn_layer_forward(layer, hidden_states, attention_mask, document_positions,
+                                 chunk_size=self.chunk_size, backend=self.backend)
 
 
 def _gdn_method(spec: MethodSpec, wrapper: str, backend: str, chunk_size: int) -> CPMethod:

@@ -56,3 +56,22 @@ def test_values_are_read_once_per_shape():
 def test_position_ids_are_required():
     with pytest.raises(CPInputError, match="without position_ids"):
         LayoutGuard(2, 0, CONTIGUOUS).check(None)
+
+
+def test_models_reading_documents_check_unmarked_values_on_every_call():
+    """A GDN model reads packing off the mark: an unmarked packed batch must never pass as one document."""
+    guard = LayoutGuard(2, 0, CONTIGUOUS, every_call=True)
+    guard.check(torch.arange(8)[None])
+    with pytest.raises(CPInputError, match="not this rank's slice"):
+        guard.check(torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]]))  # packed, the same shape, mark lost
+
+
+def test_the_document_feed_passes_only_marked_packed_positions():
+    from cpcompile.documents import DocumentFeed, mark_packed
+
+    feed, packed, plain = DocumentFeed(), torch.tensor([[0, 1, 0, 1]]), torch.arange(4)[None]
+    mark_packed(packed, True)
+    mark_packed(plain, False)
+    for positions, expected in ((packed, packed), (plain, None), (packed.clone(), None), (None, None)):
+        feed.update(positions)
+        assert feed.positions is expected

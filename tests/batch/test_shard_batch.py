@@ -263,11 +263,22 @@ def test_malformed_packing_is_refused(bad, words):
         shard_batch({**_batch(1, 12), **bad}, _mesh(2, 0), _plan(CONTIGUOUS, 2))
 
 
-def test_gdn_plans_refuse_packed_documents():
-    gdn = _override("layers.*.linear_attn", CPMethod("p2p", "gdn", "qwen3_5_gdn_p2p_cp_wrapper"))
-    with pytest.raises(CPInputError, match="GDN.*packed|packed.*GDN"):
+def _gdn_override(backend: str):
+    return _override("layers.*.linear_attn", CPMethod("p2p", "gdn", "qwen3_5_gdn_p2p_cp_wrapper",
+                                                      params={"backend": backend, "chunk_size": 64}))
+
+
+def test_triton_gdn_plans_refuse_packed_documents():
+    with pytest.raises(CPInputError, match="packed documents.*triton GDN"):
         shard_batch({**_batch(1, 12), "position_ids": torch.tensor(PACKED)}, _mesh(2, 0),
-                    _plan(CONTIGUOUS, 2, extra=[gdn]))
+                    _plan(CONTIGUOUS, 2, extra=[_gdn_override("triton")]))
+
+
+def test_eager_gdn_plans_take_packed_documents_and_mark_them():
+    plan = _plan(CONTIGUOUS, 2, extra=[_gdn_override("eager")])
+    packed = shard_batch({**_batch(1, 12), "position_ids": torch.tensor(PACKED)}, _mesh(2, 1), plan)
+    plain = shard_batch(_batch(1, 12), _mesh(2, 1), plan)
+    assert packed["position_ids"]._cpcompile_packed and not plain["position_ids"]._cpcompile_packed
 
 
 def test_harmless_flags_pass_through():

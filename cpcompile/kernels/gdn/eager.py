@@ -32,6 +32,11 @@ So every chunk's ``(M_c, S_c)`` summary is computed in parallel; the only serial
 chain ``H_{c+1} = M_c H_c + S_c``, after which all outputs are again one batched computation. The
 same per-chunk summaries, tree-reduced, give a segment's ``(M, S)`` for State-P2P / AllGather CP.
 The affine algebra on summaries lives in ``summary``.
+
+Packed documents (``starts [B, T]``, the first token of each): a start resets the state, so every
+decay that crosses one is 0 — inside a chunk the decay sums restart at each start, the decay
+matrix, ``exp(gamma)`` and ``exp(gamma_C - gamma_t)`` are masked across starts, and a chunk (or a
+segment) holding a start has ``M = 0``.
 """
 
 from __future__ import annotations
@@ -140,6 +145,20 @@ def _prepare(
     return _HeadMajor(q, k, v, g.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2))
 
 
+def _check_starts(starts: Tensor | None, g: Tensor) -> None:
+    if starts is not None and (starts.dtype != torch.bool or tuple(starts.shape) != tuple(g.shape[:2])):
+        raise CPInputError(f"starts must be a bool [B, T] = {tuple(g.shape[:2])} tensor of document starts; "
+                           f"got {starts.dtype} {tuple(starts.shape)}")
+
+
+def _segments(starts: Tensor | None, chunk_size: int) -> Tensor | None:
+    """``[B, 1, N, C]``: how many documents started in the chunk up to each token (inclusive);
+    0 where the token still sees the state the chunk was entered with. None: one document."""
+    if starts is None:
+        return None
+    return _to_chunks(starts[:, None].long(), chunk_size).cumsum(dim=-1)
+
+
 def _initial_state(state: Tensor | None, like: Tensor, value_dim: int) -> Tensor:
     batch, heads, _, key_dim = like.shape
     if state is None:
@@ -161,15 +180,23 @@ def naive_recurrent_gated_delta_rule(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token GDN: the oracle every other form is checked against. O(T) Python steps."""
+    """Token-by-token GDN: the oracle every other form is checked against. O(T) Python steps.
+
+    ``starts [B, T]`` (bool, optional) marks packed documents' first tokens: the state is zeroed
+    before such a token is read or written.
+    """
     _check_inputs(q, k, v, g, beta, initial_state)
+    _check_starts(starts, g)
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
     x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
     state = _initial_state(initial_state, x.k, x.v.shape[-1])
     outputs = []
     for t in range(x.k.shape[2]):
         k_t = x.k[:, :, t]
+        if starts is not None:
+            state = state * (~starts[:, t]).to(state.dtype)[:, None, None, None]
         state = state * x.g[:, :, t].exp()[..., None, None]
         predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)  # what the decayed state recalls for k_t
         update = x.beta[:, :, t, None] * (x.v[:, :, t] - predicted)
@@ -196,59 +223,89 @@ def _to_chunks(x: Tensor, chunk_size: int) -> Tensor:
     return x.reshape(*x.shape[:2], -1, chunk_size, *x.shape[3:])
 
 
-def _decay_matrix(gamma: Tensor, *, include_diagonal: bool) -> Tensor:
-    """``exp(gamma_i - gamma_j)`` on the causal (lower) triangle, 0 above it.
+def _decay_matrix(gamma: Tensor, segments: Tensor | None, *, include_diagonal: bool) -> Tensor:
+    """``exp(gamma_i - gamma_j)`` on the causal (lower) triangle, 0 above it and between tokens of
+    different documents (a document start resets the state: nothing decays across it).
 
     Masking happens before ``exp`` so the (positive) upper-triangle exponents never overflow.
     """
     chunk = gamma.shape[-1]
     above = torch.ones(chunk, chunk, dtype=torch.bool, device=gamma.device).triu(1 if include_diagonal else 0)
+    if segments is not None:
+        above = above | (segments[..., :, None] != segments[..., None, :])
     diff = gamma[..., :, None] - gamma[..., None, :]
     return diff.masked_fill(above, float("-inf")).exp()
+
+
+def _cumsum_within_documents(g: Tensor, segments: Tensor) -> Tensor:
+    """Inclusive cumsum of g inside each chunk restarting at every document start, as one masked
+    ``[C, C]`` product per chunk: another document's decay is multiplied by 0, not added and
+    subtracted again, so its value cannot reach this document's rounding either."""
+    chunk = g.shape[-1]
+    upto = torch.ones(chunk, chunk, dtype=torch.bool, device=g.device).tril()
+    same = upto & (segments[..., :, None] == segments[..., None, :])
+    return (same.to(g.dtype) @ g[..., None]).squeeze(-1)
+
+
+def _masked_exp(exponent: Tensor, keep: Tensor | None) -> Tensor:
+    """``exp(exponent)``, 0 where not ``keep`` (masked before ``exp``: no inf, no NaN gradient)."""
+    return exponent.exp() if keep is None else exponent.masked_fill(~keep, float("-inf")).exp()
+
+
+def _from_chunk_start(gamma: Tensor, segments: Tensor | None) -> Tensor:
+    """``exp(gamma_t)``: how much of the chunk's entering state token t still sees (0 from a
+    document start on)."""
+    return _masked_exp(gamma, None if segments is None else segments == 0)
 
 
 class _ChunkWY(NamedTuple):
     """Intra-chunk quantities that do not depend on the chunk's entering state."""
 
-    gamma: Tensor  # [B, H, N, C] inclusive cumsum of g inside each chunk
+    gamma: Tensor  # [B, H, N, C] inclusive cumsum of g inside each chunk (and document)
     updates: Tensor | None  # U = T (beta v)              [B, H, N, C, V]
     state_readers: Tensor  # W = T (beta exp(gamma) k)   [B, H, N, C, K]
+    segments: Tensor | None  # `_segments`, or None for one document
 
 
-def _chunk_wy(k: Tensor, v: Tensor | None, g: Tensor, beta: Tensor) -> _ChunkWY:
+def _chunk_wy(k: Tensor, v: Tensor | None, g: Tensor, beta: Tensor, segments: Tensor | None = None) -> _ChunkWY:
     """UT transform of every chunk at once (chunked ``[B, H, N, C, ...]`` inputs).
 
     One triangular solve per chunk replaces C sequential rank-1 delta updates; U and W share the
     solve by stacking their right-hand sides.
     """
-    gamma = g.cumsum(dim=-1)
-    system = (k @ k.transpose(-1, -2)) * beta[..., None] * _decay_matrix(gamma, include_diagonal=False)
-    k_rhs = k * (beta * gamma.exp())[..., None]
+    gamma = g.cumsum(dim=-1) if segments is None else _cumsum_within_documents(g, segments)
+    system = (k @ k.transpose(-1, -2)) * beta[..., None] * _decay_matrix(gamma, segments, include_diagonal=False)
+    k_rhs = k * (beta * _from_chunk_start(gamma, segments))[..., None]
     rhs = k_rhs if v is None else torch.cat([v * beta[..., None], k_rhs], dim=-1)
     # unitriangular=True: the system is I + strictly-lower A; the zero diagonal we pass is ignored.
     solved = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
     if v is None:
-        return _ChunkWY(gamma, None, solved)
+        return _ChunkWY(gamma, None, solved, segments)
     value_dim = v.shape[-1]
-    return _ChunkWY(gamma, solved[..., :value_dim], solved[..., value_dim:])
+    return _ChunkWY(gamma, solved[..., :value_dim], solved[..., value_dim:], segments)
 
 
-def _keys_to_chunk_end(k: Tensor, gamma: Tensor) -> Tensor:
-    """``k_t * exp(gamma_C - gamma_t)``: each key as still visible in the state at the chunk's end."""
-    return k * (gamma[..., -1:] - gamma).exp()[..., None]
+def _keys_to_chunk_end(k: Tensor, wy: _ChunkWY) -> Tensor:
+    """``k_t * exp(gamma_C - gamma_t)``: each key as still visible in the state at the chunk's end
+    (0 for a key of a document that ended inside the chunk)."""
+    gamma, segments = wy.gamma, wy.segments
+    same_as_end = None if segments is None else segments == segments[..., -1:]
+    return k * _masked_exp(gamma[..., -1:] - gamma, same_as_end)[..., None]
 
 
 def _chunk_transition(k: Tensor, wy: _ChunkWY) -> Tensor:
-    """``M_c = exp(gamma_C) I - k~^T W`` for every chunk: ``[B, H, N, K, K]``."""
+    """``M_c = exp(gamma_C) I - k~^T W`` for every chunk: ``[B, H, N, K, K]`` (0 for a chunk
+    holding a document start: the state after it does not depend on the state before)."""
     key_dim = k.shape[-1]
     eye = torch.eye(key_dim, dtype=k.dtype, device=k.device)
-    decayed_keys = _keys_to_chunk_end(k, wy.gamma)
-    return wy.gamma[..., -1].exp()[..., None, None] * eye - decayed_keys.transpose(-1, -2) @ wy.state_readers
+    decayed_keys = _keys_to_chunk_end(k, wy)
+    end_decay = _from_chunk_start(wy.gamma[..., -1], None if wy.segments is None else wy.segments[..., -1])
+    return end_decay[..., None, None] * eye - decayed_keys.transpose(-1, -2) @ wy.state_readers
 
 
 def _chunk_summaries(k: Tensor, wy: _ChunkWY) -> tuple[Tensor, Tensor]:
     """Per-chunk ``(M_c [B,H,N,K,K], S_c [B,H,N,K,V])``, all chunks in parallel."""
-    decayed_keys = _keys_to_chunk_end(k, wy.gamma)
+    decayed_keys = _keys_to_chunk_end(k, wy)
     return _chunk_transition(k, wy), decayed_keys.transpose(-1, -2) @ wy.updates
 
 
@@ -263,12 +320,13 @@ def _scan_chunk_states(M: Tensor, S: Tensor, state: Tensor) -> tuple[Tensor, Ten
 
 def _output_state_readout(q: Tensor, wy: _ChunkWY, intra: Tensor) -> Tensor:
     """``exp(gamma) q - intra @ W``: how each output reads the chunk's entering state ``[.., C, K]``."""
-    return q * wy.gamma.exp()[..., None] - intra @ wy.state_readers
+    return q * _from_chunk_start(wy.gamma, wy.segments)[..., None] - intra @ wy.state_readers
 
 
-def _intra_chunk_scores(q: Tensor, k: Tensor, gamma: Tensor) -> Tensor:
-    """Causal, decayed ``q k^T`` inside each chunk (diagonal included: o_t sees its own update)."""
-    return (q @ k.transpose(-1, -2)) * _decay_matrix(gamma, include_diagonal=True)
+def _intra_chunk_scores(q: Tensor, k: Tensor, wy: _ChunkWY) -> Tensor:
+    """Causal, decayed ``q k^T`` inside each chunk (diagonal included: o_t sees its own update),
+    within documents."""
+    return (q @ k.transpose(-1, -2)) * _decay_matrix(wy.gamma, wy.segments, include_diagonal=True)
 
 
 # ----------------------------------------------------------------------------- public chunkwise API
@@ -291,13 +349,16 @@ def chunk_gated_delta_rule_eager(
     initial_state: Tensor | None = None,
     output_final_state: bool = False,
     use_qk_l2norm_in_kernel: bool = False,
+    starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Chunkwise GDN, equal to ``naive_recurrent_gated_delta_rule``; differentiable by autograd.
 
     Any ``chunk_size`` and any ``T`` (padded internally, exactly). Returns ``(o [B,T,Hv,V] in q's
-    dtype, final state [B,Hv,K,V] in the compute dtype or None)``.
+    dtype, final state [B,Hv,K,V] in the compute dtype or None)``. ``starts [B, T]`` (bool) marks
+    packed documents' first tokens, where the state resets (None: one document, the plain path).
     """
     _check_inputs(q, k, v, g, beta, initial_state)
+    _check_starts(starts, g)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
     x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
@@ -308,10 +369,10 @@ def chunk_gated_delta_rule_eager(
 
     qc, kc, vc = (_to_chunks(t, chunk_size) for t in (x.q, x.k, x.v))
     gc, bc = _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size)
-    wy = _chunk_wy(kc, vc, gc, bc)
+    wy = _chunk_wy(kc, vc, gc, bc, _segments(starts, chunk_size))
     entering, final_state = _scan_chunk_states(*_chunk_summaries(kc, wy), state)
 
-    intra = _intra_chunk_scores(qc, kc, wy.gamma)
+    intra = _intra_chunk_scores(qc, kc, wy)
     out = _output_state_readout(qc, wy, intra) @ entering + intra @ wy.updates
     out = out.reshape(*out.shape[:2], -1, value_dim)[:, :, :seq_len]
     return out.transpose(1, 2).to(q.dtype), (final_state if output_final_state else None)
@@ -325,14 +386,17 @@ def gdn_segment_summary(
     *,
     chunk_size: int = CHUNK_SIZE,
     use_qk_l2norm_in_kernel: bool = False,
+    starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(M [B,Hv,K,K], S [B,Hv,K,V])`` of a whole segment, in the compute dtype (fp32/float64).
 
     ``H_out = M @ H_in + S`` for any ``H_in``. Built from per-chunk summaries (computed in parallel)
     combined by a pairwise tree, never from T per-token K x K products. Needs no q: the state does
-    not depend on queries.
+    not depend on queries. With a document start in the segment (``starts [B, T]``), M is 0 and S
+    is the state after the last start: the entering state reaches nothing beyond it.
     """
     _check_inputs(None, k, v, g, beta, None)
+    _check_starts(starts, g)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(k, v, g, beta)
     x = _prepare(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
@@ -341,7 +405,8 @@ def gdn_segment_summary(
         eye = torch.eye(key_dim, dtype=dtype, device=k.device).expand(batch, heads, key_dim, key_dim)
         return eye.clone(), x.k.new_zeros(batch, heads, key_dim, x.v.shape[-1])
     kc = _to_chunks(x.k, chunk_size)
-    wy = _chunk_wy(kc, _to_chunks(x.v, chunk_size), _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size))
+    wy = _chunk_wy(kc, _to_chunks(x.v, chunk_size), _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size),
+                   _segments(starts, chunk_size))
     return reduce_summaries_over_chunks(*_chunk_summaries(kc, wy))
 
 
@@ -375,7 +440,7 @@ def gdn_local_state_grad(
         return grad
     qc, kc, d_oc = (_to_chunks(t, chunk_size) for t in (x.q, x.k, x.v))
     wy = _chunk_wy(kc, None, _to_chunks(x.g, chunk_size), _to_chunks(x.beta, chunk_size))
-    readout = _output_state_readout(qc, wy, _intra_chunk_scores(qc, kc, wy.gamma))
+    readout = _output_state_readout(qc, wy, _intra_chunk_scores(qc, kc, wy))
     local = readout.transpose(-1, -2) @ d_oc  # [B, H, N, K, V]: each chunk's own output term
     transition = _chunk_transition(kc, wy)
     for c in reversed(range(transition.shape[2])):

@@ -1,12 +1,14 @@
 """The Gated DeltaNet core as `cpcompile::` custom ops, so a traced GDN layer has one core node.
 
-    gdn_chunk(q, k, v, g, beta, initial_state?, scale, chunk_size, backend) -> o
-    gdn_summary(k, v, g, beta, chunk_size, "eager") -> (M, S)      # H_out = M @ H_in + S
+    gdn_chunk(q, k, v, g, beta, initial_state?, scale, chunk_size, backend, starts?) -> o
+    gdn_summary(k, v, g, beta, chunk_size, "eager", starts?) -> (M, S)      # H_out = M @ H_in + S
     gdn_p2p_chunk(q, k, v, g, beta, scale, chunk_size, group_name, rank, world) -> (o, H_in)
                                                  # triton State-P2P: one rank's core and its chain
 
 q and k arrive already L2-normalised (the layer does that in the graph), g is the log decay,
-beta the write strength; layouts as in `cpcompile.kernels.gdn.eager`. Each op has a fake
+beta the write strength; layouts as in `cpcompile.kernels.gdn.eager`. `starts [B, T]` (bool, or
+None for one document per row) marks the first tokens of packed documents, where the state resets
+(eager backend). Each op has a fake
 implementation and an autograd formula (a backward op), so graphs holding them export, compile
 and differentiate like ATen ops.
 
@@ -55,13 +57,19 @@ def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
+def _check_starts_backend(starts: Tensor | None, backend: str) -> None:
+    if starts is not None and backend != "eager":
+        raise CPInputError(f"packed documents (starts) run on the eager GDN backend only, got {backend!r}")
+
+
 @without_autocast  # the kernels keep their state and decay in fp32 (`eager.compute_dtype`)
-def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend) -> Tensor:
+def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None) -> Tensor:
     check_backend(backend)
+    _check_starts_backend(starts, backend)
     if backend == "triton":
         return _triton().chunk_forward(q, k, v, g, beta, initial_state, scale, chunk_size)
     out, _ = eager.chunk_gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
-                                                    initial_state=initial_state)
+                                                initial_state=initial_state, starts=starts)
     return out.contiguous()  # the fake implementation promises a contiguous result
 
 
@@ -73,9 +81,9 @@ def _eager_summary_only(backend: str) -> None:
 
 
 @without_autocast
-def _summary(k, v, g, beta, chunk_size, backend) -> tuple[Tensor, Tensor]:
+def _summary(k, v, g, beta, chunk_size, backend, starts=None) -> tuple[Tensor, Tensor]:
     _eager_summary_only(backend)
-    m, s = eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size)
+    m, s = eager.gdn_segment_summary(k, v, g, beta, chunk_size=chunk_size, starts=starts)
     return m.contiguous(), s.contiguous()
 
 
@@ -114,12 +122,13 @@ def _like(x: Tensor) -> Tensor:
 
 @torch.library.custom_op("cpcompile::gdn_chunk", mutates_args=())
 def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
-              scale: float, chunk_size: int, backend: str) -> Tensor:
-    return _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend)
+              scale: float, chunk_size: int, backend: str, starts: Tensor | None = None) -> Tensor:
+    return _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts)
 
 
 @gdn_chunk.register_fake
-def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend):
+def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None):
+    _check_starts_backend(starts, backend)
     if backend == "triton":
         _check_triton(q, k, v, g, beta, initial_state, chunk_size)
     return v.new_empty(v.shape, dtype=q.dtype)
@@ -128,34 +137,35 @@ def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend):
 @torch.library.custom_op("cpcompile::gdn_chunk_backward", mutates_args=())
 def gdn_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                        initial_state: Tensor | None, scale: float, chunk_size: int,
-                       backend: str) -> list[Tensor]:
+                       backend: str, starts: Tensor | None = None) -> list[Tensor]:
     if backend == "triton":
+        _check_starts_backend(starts, backend)
         return _contiguous(_triton().chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size))
 
     def forward(q, k, v, g, beta, h0):
-        return _chunk(q, k, v, g, beta, h0, scale, chunk_size, backend)
+        return _chunk(q, k, v, g, beta, h0, scale, chunk_size, backend, starts)
 
     return _contiguous(_grads_by_recompute(forward, [q, k, v, g, beta, initial_state], [grad_out]))
 
 
 @gdn_chunk_backward.register_fake
-def _(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size, backend):
+def _(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None):
     state = _like(initial_state) if initial_state is not None else grad_out.new_empty(0)
     return [_like(x) for x in (q, k, v, g, beta)] + [state]
 
 
 def _chunk_setup(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, scale, chunk_size, backend = inputs
-    ctx.save_for_backward(q, k, v, g, beta, initial_state)
+    q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts = inputs
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, starts)
     ctx.scale, ctx.chunk_size, ctx.backend = scale, chunk_size, backend
 
 
 def _chunk_grad(ctx, grad_out):
-    q, k, v, g, beta, initial_state = ctx.saved_tensors
+    q, k, v, g, beta, initial_state, starts = ctx.saved_tensors
     dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_backward(
-        grad_out, q, k, v, g, beta, initial_state, ctx.scale, ctx.chunk_size, ctx.backend
+        grad_out, q, k, v, g, beta, initial_state, ctx.scale, ctx.chunk_size, ctx.backend, starts
     )
-    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None
+    return dq, dk, dv, dg, dbeta, (dh0 if initial_state is not None else None), None, None, None, None
 
 
 gdn_chunk.register_autograd(_chunk_grad, setup_context=_chunk_setup)
@@ -165,8 +175,9 @@ gdn_chunk.register_autograd(_chunk_grad, setup_context=_chunk_setup)
 
 
 @torch.library.custom_op("cpcompile::gdn_summary", mutates_args=())
-def gdn_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int, backend: str) -> tuple[Tensor, Tensor]:
-    return _summary(k, v, g, beta, chunk_size, backend)
+def gdn_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int, backend: str,
+                starts: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return _summary(k, v, g, beta, chunk_size, backend, starts)
 
 
 def _summary_shapes(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[list[int], list[int], torch.dtype]:
@@ -175,7 +186,7 @@ def _summary_shapes(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[list
 
 
 @gdn_summary.register_fake
-def _(k, v, g, beta, chunk_size, backend):
+def _(k, v, g, beta, chunk_size, backend, starts=None):
     _eager_summary_only(backend)
     m_shape, s_shape, dtype = _summary_shapes(k, v, g, beta)
     return k.new_empty(m_shape, dtype=dtype), k.new_empty(s_shape, dtype=dtype)
@@ -183,28 +194,28 @@ def _(k, v, g, beta, chunk_size, backend):
 
 @torch.library.custom_op("cpcompile::gdn_summary_backward", mutates_args=())
 def gdn_summary_backward(grad_m: Tensor, grad_s: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                         chunk_size: int, backend: str) -> list[Tensor]:
+                         chunk_size: int, backend: str, starts: Tensor | None = None) -> list[Tensor]:
     def forward(k, v, g, beta):
-        return _summary(k, v, g, beta, chunk_size, backend)
+        return _summary(k, v, g, beta, chunk_size, backend, starts)
 
     return _contiguous(_grads_by_recompute(forward, [k, v, g, beta], [grad_m, grad_s]))
 
 
 @gdn_summary_backward.register_fake
-def _(grad_m, grad_s, k, v, g, beta, chunk_size, backend):
+def _(grad_m, grad_s, k, v, g, beta, chunk_size, backend, starts=None):
     return [_like(x) for x in (k, v, g, beta)]
 
 
 def _summary_setup(ctx, inputs, output):
-    k, v, g, beta, chunk_size, backend = inputs
-    ctx.save_for_backward(k, v, g, beta)
+    k, v, g, beta, chunk_size, backend, starts = inputs
+    ctx.save_for_backward(k, v, g, beta, starts)
     ctx.chunk_size, ctx.backend = chunk_size, backend
 
 
 def _summary_grad(ctx, grad_m, grad_s):
-    k, v, g, beta = ctx.saved_tensors
-    dk, dv, dg, dbeta = gdn_summary_backward(grad_m, grad_s, k, v, g, beta, ctx.chunk_size, ctx.backend)
-    return dk, dv, dg, dbeta, None, None
+    k, v, g, beta, starts = ctx.saved_tensors
+    dk, dv, dg, dbeta = gdn_summary_backward(grad_m, grad_s, k, v, g, beta, ctx.chunk_size, ctx.backend, starts)
+    return dk, dv, dg, dbeta, None, None, None
 
 
 gdn_summary.register_autograd(_summary_grad, setup_context=_summary_setup)

@@ -42,8 +42,11 @@ def summary_parts(emit: Emitter, summary: fx.Node) -> tuple[fx.Node, fx.Node]:
 
 
 def local_summary(emit: Emitter, match: GdnMatch) -> tuple[fx.Node, fx.Node]:
+    """This rank's `(M, S)`; with a document start in its block M is 0 and S the state after the
+    last start, so the state chain carries on only that (the kernel zeroes decay across starts)."""
     _, k, v, g, beta = match.inputs
-    return summary_parts(emit, emit(GDN_SUMMARY, k, v, g, beta, match.chunk_size, match.backend))
+    extra = () if match.starts is None else (match.starts,)
+    return summary_parts(emit, emit(GDN_SUMMARY, k, v, g, beta, match.chunk_size, match.backend, *extra))
 
 
 def zero_state(emit: Emitter, like_s: fx.Node) -> fx.Node:

@@ -1,5 +1,6 @@
 """GDN Ulysses: q, k, v, g, β go sequence→head (all-to-all), the core runs over the whole sequence
-on H/P heads, the output comes back head→sequence. Needs key and value heads divisible by cp."""
+on H/P heads, the output comes back head→sequence. Needs key and value heads divisible by cp.
+A packed batch's document starts are all-gathered (one small integer `[B, T]` tensor)."""
 from __future__ import annotations
 
 import torch
@@ -8,9 +9,12 @@ import torch.fx as fx
 from ...context import PassContext
 from ...errors import CPInputError
 from ...methods import register_method
+from ..comm import all_gather_sequence
 from ..graph_utils import Emitter, val
 from .fragments import PASS, heads_to_seq, seq_to_heads
 from .match import GdnMatch, gdn_method
+
+aten = torch.ops.aten
 
 
 def rewrite_ulysses(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
@@ -23,8 +27,18 @@ def rewrite_ulysses(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> No
         )
     emit = Emitter(gm.graph, match.node, PASS)
     moved = [seq_to_heads(emit, ctx, x, purpose=f"{name} seq->head") for x, name in zip(match.inputs, "q k v g beta".split())]
-    core = match.emit_core(emit, *moved)
+    core = match.emit_core(emit, *moved, starts=_all_document_starts(emit, ctx, match.starts))
     match.replace_with(gm, heads_to_seq(emit, ctx, core, purpose="o head->seq"))
+
+
+def _all_document_starts(emit: Emitter, ctx: PassContext, starts: fx.Node | None) -> fx.Node | None:
+    """The whole sequence's document starts `[B, T]` (a packed batch only): every rank runs the core
+    over all tokens. Gathered as integers: collectives need not carry bool."""
+    if starts is None:
+        return None
+    as_int = emit(aten._to_copy.default, starts, dtype=torch.int32)
+    gathered = all_gather_sequence(emit, ctx, as_int, seq_dim=1, purpose="document starts")
+    return emit(aten.ne.Scalar, gathered, 0)
 
 
 ULYSSES = register_method(gdn_method("ulysses", rewrite_ulysses))
