@@ -19,6 +19,7 @@ from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
 from .passes import run_passes
+from .passes.backward_schedule import enable_for_groups
 from .plan import Override, load_plan
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 
@@ -75,6 +76,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
+    schedule_async_backward(mesh, overrides)
     install_layout_guard(model, LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout()))
     return model
 
@@ -93,6 +95,19 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard) -> None:
         guard.check(kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None))
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def schedule_async_backward(mesh, overrides: list[Override]) -> None:
+    """Under `torch.compile` (Inductor), the backward graphs talking on an async region's groups
+    get the forward's schedule too (`passes/backward_schedule.py`); eager backward is unchanged."""
+    groups = set()
+    for override in overrides:
+        if override.method.asynchronous:
+            groups.add(mesh.cp_group_name)
+            for degree in method_spec(override.method).subgroups(override.method.params):
+                groups.update(g.group_name for g in mesh.cp_subgroups(degree))
+    if groups:
+        enable_for_groups(groups)
 
 
 def reject_unsupported_combinations(plan) -> None:
