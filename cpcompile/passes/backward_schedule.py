@@ -38,6 +38,9 @@ aten = torch.ops.aten
 # Copies that only change a tensor's layout: a chain of collectives runs through them.
 LAYOUT_COPIES = frozenset({aten.clone.default, aten._unsafe_view.default})
 
+# Kernels Inductor calls as they are (never fused): the cheapest nodes to pin an order to.
+EXTERN_KERNELS = frozenset({aten.mm.default, aten.bmm.default, aten.addmm.default, aten.baddbmm.default})
+
 # Process groups some asynchronous region communicates on (filled by `enable_for_groups`).
 _ASYNC_GROUPS: set[str] = set()
 
@@ -61,9 +64,59 @@ def schedule_backward(graph: fx.Graph, groups: set[str] | frozenset[str]) -> boo
         return False
     collectives = find_collectives(graph, chain_stops(graph), {})
     reorder_graph(graph, priority_order(graph, collectives))
+    pin_windows(graph, collectives)
     graph.lint()
     log.debug("cpcompile: scheduled %d backward collectives for overlap", len(collectives))
     return True
+
+
+def pin_windows(graph: fx.Graph, collectives: list) -> None:
+    """Make each collective's overlap window a dependency Inductor's scheduler must respect.
+
+    Inductor re-orders its nodes afterwards to lower peak memory (`reorder_for_peak_memory`, on
+    by default), and waiting at once frees a collective's input sooner, so it would take the
+    windows back. With Inductor's `control_deps` ordering tool, each wait is made to follow the
+    last compute nodes of its window, and the first costly node of the window (a matmul or
+    another extern kernel, else the first compute node) to follow the launch. Wrapping a node
+    keeps it out of fusion, which is why the launch side wraps one node only, preferably an
+    extern kernel that fuses with nothing anyway."""
+    try:
+        from torch._inductor.fx_passes.control_dependencies import preserve_node_ordering
+        from torch.utils._ordered_set import OrderedSet
+    except ImportError:  # an Inductor without the ordering tool: the order is a request only
+        log.warning("cpcompile: this torch has no control_deps; Inductor may undo the backward schedule")
+        return
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    deps: dict[fx.Node, OrderedSet] = {}
+    for c in collectives:
+        window = [n for n in graph.nodes if position[c.launch] < position[n] < position[c.wait] and is_compute(n)]
+        if not window:
+            continue
+        inside = set(window)
+        deps.setdefault(c.wait, OrderedSet()).update(n for n in window if not feeds_compute_in(n, inside))
+        first = next((n for n in window if is_extern(n)), window[0])
+        deps.setdefault(first, OrderedSet()).add(c.launch)
+    preserve_node_ordering(graph, deps)
+
+
+def is_extern(node: fx.Node) -> bool:
+    """Matmuls and custom ops: kernels Inductor calls as they are, never fusing into them."""
+    return node.target in EXTERN_KERNELS or getattr(node.target, "namespace", "aten") != "aten"
+
+
+def feeds_compute_in(node: fx.Node, inside: set[fx.Node]) -> bool:
+    """Whether a compute node of `inside` reads `node`, directly or through views."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if user in inside:
+            return True
+        if not is_compute(user):
+            stack.extend(user.users)
+    return False
 
 
 def _source_digest() -> str:
