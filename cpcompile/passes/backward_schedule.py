@@ -119,6 +119,15 @@ def feeds_compute_in(node: fx.Node, inside: set[fx.Node]) -> bool:
     return False
 
 
+def unwrapped_target(node: fx.Node):
+    """The op a node runs, looking inside a `control_deps` wrapper (`pin_windows`)."""
+    if node.op != "call_function" or getattr(node.target, "__name__", "") != "control_deps":
+        return node.target
+    subgraph = getattr(node.graph.owning_module, node.args[1].target)
+    (inner,) = [n for n in subgraph.graph.nodes if n.op == "call_function"]
+    return inner.target
+
+
 def _source_digest() -> str:
     """Inductor's FX-graph cache keys a custom pass by its uuid: the code that decides the order."""
     here = Path(__file__).resolve().parent
