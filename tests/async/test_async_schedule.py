@@ -325,7 +325,8 @@ def test_backward_collective_order_identical_on_every_rank(method):
     assert all(order == orders[0] for order in orders), orders
 
 
-def _inductor_forward_code(rank: int, world: int) -> str:
+def _inductor_code(rank: int, world: int) -> tuple[str, str]:
+    """Inductor's generated forward and backward code of the async AllGather region."""
     import torch.distributed as dist
     from torch._inductor.utils import run_and_get_code
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -337,19 +338,43 @@ def _inductor_forward_code(rank: int, world: int) -> str:
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     local = cpcompile.shard_batch(random_batch(0, 2, 8, padded=True), mesh, plan)
     model = cpcompile.compile(tiny_qwen3(0, layers=1), mesh, plan, example_inputs=local)
-    _, codes = run_and_get_code(lambda: torch.compile(model, backend="inductor")(**local))
+    _, codes = run_and_get_code(lambda: torch.compile(model, backend="inductor")(**local).loss.backward())
     dist.destroy_process_group()
-    return next(code for code in codes if "all_gather_into_tensor.default(" in code)
+    return (next(code for code in codes if "all_gather_into_tensor.default(" in code),
+            next(code for code in codes if "reduce_scatter_tensor.default(" in code))
+
+
+def _code_lines(code: str, *markers: str) -> list[list[int]]:
+    lines = code.splitlines()
+    return [[i for i, line in enumerate(lines) if marker in line] for marker in markers]
+
+
+_inductor_codes: list = []
+
+
+def inductor_codes() -> tuple[str, str]:
+    if not _inductor_codes:
+        _inductor_codes.extend(run_distributed(_inductor_code, 1, init_pg=False, timeout=600))
+    return _inductor_codes[0]
 
 
 @pytest.mark.slow
 def test_inductor_code_runs_the_q_projection_under_the_gathers():
     """Inductor's generated forward: all-gathers of K and V, then a matmul, then the waits."""
-    (code,) = run_distributed(_inductor_forward_code, 1, init_pg=False, timeout=600)
-    lines = code.splitlines()
-    launches = [i for i, line in enumerate(lines) if "all_gather_into_tensor.default(" in line]
-    waits = [i for i, line in enumerate(lines) if "wait_tensor.default(" in line]
-    matmuls = [i for i, line in enumerate(lines) if "extern_kernels.mm(" in line]
+    launches, waits, matmuls = _code_lines(inductor_codes()[0], "all_gather_into_tensor.default(",
+                                           "wait_tensor.default(", "extern_kernels.mm(")
     assert len(launches) == 3 and len(waits) == 3, (launches, waits)
     assert max(launches) < min(waits), "a gather is waited before the last one is launched"
     assert any(max(launches) < m < min(waits) for m in matmuls), "no matmul runs under the gathers"
+
+
+@pytest.mark.slow
+def test_inductor_backward_code_runs_gemms_under_the_reduce_scatters():
+    """Inductor's generated backward (its peak-memory reordering included): both reduce-scatters
+    launched before either is waited, and a matmul between each launch and its wait."""
+    launches, waits, matmuls = _code_lines(inductor_codes()[1], "reduce_scatter_tensor.default(",
+                                           "wait_tensor.default(", "extern_kernels.mm(")
+    assert len(launches) == 2 and len(waits) == 2, (launches, waits)
+    assert max(launches) < min(waits), "a reduce-scatter is waited before the other is launched"
+    for launch, wait in zip(launches, waits):
+        assert any(launch < m < wait for m in matmuls), "no matmul runs under a reduce-scatter"
