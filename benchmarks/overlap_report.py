@@ -222,12 +222,12 @@ def report(rows: list[dict], args) -> str:
              f"layers={args.layers}")
     if args.device == "cuda":
         setting = (f"NCCL, CP={world}, {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.steps} profiled "
-                   "steps after 1 warm-up; figures per step, mean over ranks.")
+                   f"steps after {1 + args.compile} warm-up; figures per step, mean over ranks.")
         dtype, rule = "bf16", "overlap = |NCCL kernel windows ∩ other kernel windows| / |NCCL kernel windows|"
     else:
         setting = (f"gloo, CP={world}, {torch.get_num_threads()} intra-op thread(s) per rank, torch {torch.__version__}, "
-                   f"{os.cpu_count()} CPU cores shared by all ranks; {args.steps} profiled steps after 1 warm-up; "
-                   "figures per step, mean over ranks.")
+                   f"{os.cpu_count()} CPU cores shared by all ranks; {args.steps} profiled steps after {1 + args.compile} "
+                   "warm-up; figures per step, mean over ranks.")
         dtype, rule = "fp32", "overlap = |gloo windows ∩ main-thread aten windows| / |gloo windows|"
     lines = [
         f"# {args.device.upper()} overlap report, {_dt.date.today().isoformat()}",
