@@ -50,6 +50,12 @@ def is_backward_graph(graph: fx.Graph) -> bool:
     return any(n.op == "placeholder" and n.name.startswith("tangents") for n in graph.nodes)
 
 
+def mutates(node: fx.Node) -> bool:
+    """An op that writes one of its arguments (a list scheduler only keeps data dependencies)."""
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
 def chain_stops(graph: fx.Graph) -> set[fx.Node]:
     """The nodes a chain of collectives does not run through: every op that computes."""
     return {n for n in graph.nodes if is_compute(n) and n.target not in LAYOUT_COPIES}
@@ -61,6 +67,9 @@ def schedule_backward(graph: fx.Graph, groups: set[str] | frozenset[str]) -> boo
     whether it re-ordered."""
     launches = [n for n in graph.nodes if n.op == "call_function" and C.is_launch(n.target)]
     if not any(group_of(n) in groups for n in launches):
+        return False
+    if any(mutates(n) for n in graph.nodes):  # an in-place op's order is not in the data edges
+        log.info("cpcompile: a backward graph with in-place ops keeps autograd's collective order")
         return False
     collectives = find_collectives(graph, chain_stops(graph), {})
     reorder_graph(graph, priority_order(graph, collectives))
@@ -160,7 +169,7 @@ class _Both(torch._inductor.custom_graph_pass.CustomGraphPass):
 
     def uuid(self):
         first = self.first.uuid() if hasattr(self.first, "uuid") else None
-        return (first, self.then.uuid())
+        return None if first is None else (first, self.then.uuid())  # None: Inductor does not cache
 
 
 SCHEDULE = BackwardSchedulePass()
