@@ -1,7 +1,7 @@
 """Where the async CP methods' launches and waits fall among the compute kernels, on one GPU.
 
     python benchmarks/overlap_timeline.py [--methods all_gather ulysses hybrid] [--world 4] \
-        [--seq 16384] [--layers 2] [--steps 2] [--dump-dir overlap_timeline_dump] [--out FILE]
+        [--seq 16384] [--layers 1] [--steps 1] [--dump-dir overlap_timeline_dump] [--out FILE]
 
 One process plays rank 0 of a `--world`-rank cp group under the fake process group, on the
 current CUDA device, with the model under `torch.compile` (Inductor, so cpcompile's backward
@@ -107,7 +107,7 @@ def summarize(items: list[tuple]) -> dict:
     parts: list[str] = []
     kernels, kernel_us = 0, 0.0           # the run of kernels since the last collective op
     previous = None                       # "L" or "W": the last collective op
-    out = {"launches": 0, "waits": 0, "wait_right_after_launch": 0, "compute_ms": 0.0, "in_flight_ms": 0.0}
+    out = {"launches": 0, "waits": 0, "waits_without_compute": 0, "compute_ms": 0.0, "in_flight_ms": 0.0}
     in_flight = 0
     for item in items:
         if item[0] == "K":
@@ -124,7 +124,7 @@ def summarize(items: list[tuple]) -> dict:
         else:
             parts.append("W")
             out["waits"] += 1
-            out["wait_right_after_launch"] += previous == "L" and not kernels
+            out["waits_without_compute"] += previous == "L" and not kernels
             in_flight = max(in_flight - 1, 0)
         previous, kernels, kernel_us = item[0], 0, 0.0
     if kernels:
@@ -145,12 +145,12 @@ def report(rows: list[dict], args) -> str:
         "`L` launch, `W` wait, `[n kernels, x ms]` GPU time of the compute kernels issued in between; "
         "'in flight': compute GPU time issued while a collective was launched and not yet waited.",
         "",
-        "| method | phase | launches | waits | waits right after their launch | compute ms | in flight ms | in flight % |",
+        "| method | phase | launches | waits | waits with no kernel since the last launch | compute ms | in flight ms | in flight % |",
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         pct = 100 * r["in_flight_ms"] / r["compute_ms"] if r["compute_ms"] else 0.0
-        lines.append(f"| {r['method']} | {r['phase']} | {r['launches']} | {r['waits']} | {r['wait_right_after_launch']} | "
+        lines.append(f"| {r['method']} | {r['phase']} | {r['launches']} | {r['waits']} | {r['waits_without_compute']} | "
                      f"{r['compute_ms']:.2f} | {r['in_flight_ms']:.2f} | {pct:.0f} |")
     lines.append("")
     for r in rows:
@@ -169,9 +169,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--layers", type=int, default=1)
     parser.add_argument("--ulysses-degree", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--dump-dir", default="overlap_timeline_dump")
     parser.add_argument("--out", default=None, help="markdown report (default: benchmarks/results/overlap_timeline_<date>_<gpu>.md)")
     args = parser.parse_args()

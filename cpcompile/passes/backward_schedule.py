@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from .. import collectives as C
 from .schedule import find_collectives, group_of, is_compute, priority_order, reorder_graph
@@ -146,7 +147,7 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
-class BackwardSchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
+class BackwardSchedulePass(CustomGraphPass):
     """Inductor's post-grad hook: schedule backward graphs that talk on an async region's groups."""
 
     def __call__(self, graph: fx.Graph) -> None:
@@ -157,7 +158,7 @@ class BackwardSchedulePass(torch._inductor.custom_graph_pass.CustomGraphPass):
         return f"cpcompile-backward-schedule-{_source_digest()}-{','.join(sorted(_ASYNC_GROUPS))}"
 
 
-class _Both(torch._inductor.custom_graph_pass.CustomGraphPass):
+class _Both(CustomGraphPass):
     """A post-grad pass the user had installed, then cpcompile's."""
 
     def __init__(self, first, then: BackwardSchedulePass):
