@@ -37,6 +37,7 @@ from overlap_report import ROOT, VOCAB, make_model, plan_for  # noqa: E402
 import cpcompile  # noqa: E402
 
 PHASES = {"forward": "cp_forward", "backward": "cp_backward"}
+# kernel launches on the CPU side: runtime API (cuBLAS, cuDNN, ATen) and driver API (Triton)
 LAUNCH_RUNTIME_CALLS = ("LaunchKernel", "cuLaunch", "cudaLaunch")
 
 
@@ -95,7 +96,7 @@ def classify(event: dict, gpu_us: dict) -> tuple | None:
     if category == "cpu_op" and name.startswith("_c10d_functional::"):
         op = name.split("::", 1)[1]
         return ("W",) if op.startswith("wait_tensor") else ("L", op)
-    if category == "cuda_runtime" and any(call in name for call in LAUNCH_RUNTIME_CALLS):
+    if category in ("cuda_runtime", "cuda_driver") and any(call in name for call in LAUNCH_RUNTIME_CALLS):
         kernel = gpu_us.get(event.get("args", {}).get("correlation"))
         if kernel is not None:
             return ("K", *kernel)
