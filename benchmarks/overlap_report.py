@@ -5,7 +5,9 @@
     (Hybrid needs 4 ranks: --nproc-per-node 4 --methods hybrid --ulysses-degree 2 --append)
     torchrun --standalone --nproc-per-node P benchmarks/overlap_report.py --device cuda --compile [...]   # bf16, NCCL
     (`--compile`: the model under torch.compile with Inductor, where the backward collectives are
-    scheduled too, docs/async.md; eager backward is synchronous. On one GPU use overlap_timeline.py.)
+    scheduled too, docs/async.md; eager backward is synchronous. On one GPU use overlap_timeline.py.
+    On CPU, Inductor's C++ kernels are no aten::* events, so the CPU figure under --compile misses
+    compute: measure compiled overlap on CUDA.)
 
 For each method, its sync wrapper and its async wrapper are compiled on one Qwen3-shaped model
 (fp32, batch 1) and profiled with torch.profiler over `--steps` forward+backward steps after one
