@@ -3,7 +3,11 @@
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 benchmarks/overlap_report.py \
         [--methods all_gather ulysses] [--seq 2048] [--steps 3] [--dump-dir overlap_dump] [--out FILE]
     (Hybrid needs 4 ranks: --nproc-per-node 4 --methods hybrid --ulysses-degree 2 --append)
-    torchrun --standalone --nproc-per-node P benchmarks/overlap_report.py --device cuda [...]   # bf16, NCCL
+    torchrun --standalone --nproc-per-node P benchmarks/overlap_report.py --device cuda --compile [...]   # bf16, NCCL
+    (`--compile`: the model under torch.compile with Inductor, where the backward collectives are
+    scheduled too, docs/async.md; eager backward is synchronous. On one GPU use overlap_timeline.py.
+    On CPU, Inductor's C++ kernels are no aten::* events, so the CPU figure under --compile misses
+    compute: measure compiled overlap on CUDA.)
 
 For each method, its sync wrapper and its async wrapper are compiled on one Qwen3-shaped model
 (fp32, batch 1) and profiled with torch.profiler over `--steps` forward+backward steps after one
@@ -26,9 +30,12 @@ machine (here: CPU cores shared by all ranks and their gloo threads); the ratio 
 
 With `--device cuda` the same is measured on the GPU timeline: NCCL kernels are the
 communication, every other kernel is compute, and each phase ends with a device synchronisation
-so that its kernels fall inside its marker. (Written for the multi-GPU run and not yet run on
-several GPUs: on one H200 the kernel events and markers were checked, but a one-rank NCCL
-all-reduce launches no kernel, so the NCCL-by-name classification is unexercised.)
+so that its kernels fall inside its marker. On CUDA a second table gives, per phase and per
+collective kind (NCCL kernel name: AllGather, ReduceScatter, SendRecv for all-to-all, ...), the
+exposed fraction of the collectives' time: the part of each NCCL kernel's window during which
+no compute kernel runs. (Written for the multi-GPU run and not yet run on several GPUs: on one
+H200 the kernel events and markers were checked, but a one-rank NCCL all-reduce launches no
+kernel, so the NCCL-by-name classification is unexercised.)
 """
 from __future__ import annotations
 
@@ -90,10 +97,12 @@ def profile_run(method: str, asynchronous: bool, args) -> dict:
     model = make_model(args).to(args.device, torch.bfloat16 if cuda else torch.float32)
     model = cpcompile.compile(model, mesh, plan, example_inputs=local,
                               dump_dir=run_dir / f"graphs_rank{dist.get_rank()}")
+    torch._dynamo.reset()
+    runner = torch.compile(model) if args.compile else model
 
     def step():
         with record_function("cp_forward"):
-            loss = model(**local).loss
+            loss = runner(**local).loss
             if cuda:
                 torch.cuda.synchronize()
         with record_function("cp_backward"):
@@ -102,14 +111,18 @@ def profile_run(method: str, asynchronous: bool, args) -> dict:
                 torch.cuda.synchronize()
         model.zero_grad(set_to_none=True)
 
-    step()  # warm-up
+    for _ in range(2 if args.compile else 1):  # warm-up (compiled: the forward, then the backward)
+        step()
     dist.barrier()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
             step()
     prof.export_chrome_trace(str(run_dir / f"trace_rank{dist.get_rank()}.json"))
-    return overlap_by_phase(prof.events(), args.steps, cuda)
+    figures = overlap_by_phase(prof.events(), args.steps, cuda)
+    if cuda:
+        figures["by_kind"] = exposure_by_kind(prof.events(), args.steps)
+    return figures
 
 
 def comm_and_compute(events, cuda: bool) -> tuple[list, list]:
@@ -139,6 +152,37 @@ def overlap_by_phase(events, steps: int, cuda: bool = False) -> dict:
         spans = union([window(e) for e in events if e.name == marker and e.thread == main])
         phase_comm = intersect(comm, spans)
         out[phase] = (length(phase_comm) / steps / 1e3, length(intersect(phase_comm, compute)) / steps / 1e3)
+    return out
+
+
+def nccl_kind(name: str) -> str:
+    """`ncclDevKernel_ReduceScatter_Sum_bf16_RING_LL(...)` -> `ReduceScatter`."""
+    for kind in ("AllGather", "ReduceScatter", "AllReduce", "SendRecv", "AllToAll", "Broadcast", "Reduce"):
+        if kind in name:
+            return kind
+    return "other"
+
+
+def exposure_by_kind(events, steps: int) -> dict:
+    """{phase: {collective kind: (comm ms, exposed ms)}} per step on the GPU timeline: the exposed
+    part of an NCCL kernel is its window minus the union of compute kernel windows."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    compute = union([window(e) for e in kernels if "nccl" not in e.name.lower()])
+    main = next(e.thread for e in events if e.name == "cp_forward")
+    out = {}
+    for phase, marker in {"forward": "cp_forward", "backward": "cp_backward"}.items():
+        spans = union([window(e) for e in events if e.name == marker and e.thread == main])
+        kinds: dict[str, list[float]] = {}
+        for kernel in (e for e in kernels if "nccl" in e.name.lower()):
+            inside = intersect([window(kernel)], spans)
+            total = length(inside)
+            if total:
+                figures = kinds.setdefault(nccl_kind(kernel.name), [0.0, 0.0])
+                figures[0] += total / steps / 1e3
+                figures[1] += (total - length(intersect(inside, compute))) / steps / 1e3
+        out[phase] = {kind: tuple(v) for kind, v in kinds.items()}
     return out
 
 
@@ -180,18 +224,18 @@ def report(rows: list[dict], args) -> str:
              f"layers={args.layers}")
     if args.device == "cuda":
         setting = (f"NCCL, CP={world}, {torch.cuda.get_device_name()}, torch {torch.__version__}; {args.steps} profiled "
-                   "steps after 1 warm-up; figures per step, mean over ranks.")
+                   f"steps after {1 + args.compile} warm-up; figures per step, mean over ranks.")
         dtype, rule = "bf16", "overlap = |NCCL kernel windows ∩ other kernel windows| / |NCCL kernel windows|"
     else:
         setting = (f"gloo, CP={world}, {torch.get_num_threads()} intra-op thread(s) per rank, torch {torch.__version__}, "
-                   f"{os.cpu_count()} CPU cores shared by all ranks; {args.steps} profiled steps after 1 warm-up; "
-                   "figures per step, mean over ranks.")
+                   f"{os.cpu_count()} CPU cores shared by all ranks; {args.steps} profiled steps after {1 + args.compile} "
+                   "warm-up; figures per step, mean over ranks.")
         dtype, rule = "fp32", "overlap = |gloo windows ∩ main-thread aten windows| / |gloo windows|"
     lines = [
         f"# {args.device.upper()} overlap report, {_dt.date.today().isoformat()}",
         "",
         setting,
-        f"Shapes: {shape}, {dtype}. Produced by `benchmarks/overlap_report.py --device {args.device}`; "
+        f"Shapes: {shape}, {dtype}. Produced by `benchmarks/overlap_report.py --device {args.device}{' --compile' if args.compile else ''}`; "
         f"traces in `{args.dump_dir}/<method>_<mode>/trace_rank<r>.json`.",
         "",
         f"{rule} (see the script's docstring).",
@@ -202,7 +246,23 @@ def report(rows: list[dict], args) -> str:
     for r in rows:
         pct = 100 * r["hidden"] / r["comm"] if r["comm"] else 0.0
         lines.append(f"| {r['method']} | {r['mode']} | {r['phase']} | {shape} | {r['comm']:.1f} | {r['hidden']:.1f} | {pct:.0f} |")
+    kinds = [r for r in rows if r.get("by_kind")]
+    if kinds:
+        lines += ["", "Exposed time per collective kind (NCCL kernel window with no compute kernel running), "
+                  "mean over ranks:", "", "| method | mode | phase | collective | comm ms | exposed ms | exposed % |",
+                  "|---|---|---|---|---:|---:|---:|"]
+        for r in kinds:
+            for kind, (comm, exposed) in sorted(r["by_kind"].items()):
+                pct = 100 * exposed / comm if comm else 0.0
+                lines.append(f"| {r['method']} | {r['mode']} | {r['phase']} | {kind} | {comm:.2f} | {exposed:.2f} | {pct:.0f} |")
     return "\n".join(lines) + "\n"
+
+
+def mean_by_kind(per_rank: list[dict], phase: str) -> dict:
+    """The ranks' `exposure_by_kind` figures of one phase, averaged (empty off CUDA)."""
+    kinds = {kind for r in per_rank for kind in r.get("by_kind", {}).get(phase, {})}
+    return {kind: tuple(sum(r["by_kind"][phase].get(kind, (0.0, 0.0))[i] for r in per_rank) / len(per_rank)
+                        for i in range(2)) for kind in kinds}
 
 
 def main() -> None:
@@ -216,6 +276,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--ulysses-degree", type=int, default=2)
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--compile", action="store_true",
+                        help="run the model under torch.compile (Inductor): the backward is scheduled too")
     parser.add_argument("--dump-dir", default="overlap_dump")
     parser.add_argument("--out", default=None,
                         help="markdown report (default: benchmarks/results/overlap_<date>_<device>.md)")
@@ -235,7 +297,7 @@ def main() -> None:
                 comm = sum(r[phase][0] for r in per_rank) / len(per_rank)
                 hidden = sum(r[phase][1] for r in per_rank) / len(per_rank)
                 rows.append({"method": method, "mode": "async" if asynchronous else "sync", "phase": phase,
-                             "comm": comm, "hidden": hidden})
+                             "comm": comm, "hidden": hidden, "by_kind": mean_by_kind(per_rank, phase)})
     if dist.get_rank() == 0:
         text = report(rows, args)
         out = Path(args.out or ROOT / "benchmarks" / "results" / f"overlap_{_dt.date.today().isoformat()}_{args.device}.md")

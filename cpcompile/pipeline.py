@@ -21,6 +21,7 @@ from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputE
 from .methods import method_spec, region_for
 from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
+from .passes.backward_schedule import enable_for_groups
 from .plan import Override, load_plan
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 from .tp import check_tp_applied, find_tp_linears, full_gradients_for_replicated_params, local_tp_view, tp_size
@@ -83,6 +84,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents))
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
+    schedule_async_backward(mesh, overrides)
     reads_documents = any(installed.reads_documents for installed in installs)
     guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_documents)
     install_layout_guard(model, guard, documents)
@@ -107,6 +109,19 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: Docume
             documents.update(position_ids)
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def schedule_async_backward(mesh, overrides: list[Override]) -> None:
+    """Under `torch.compile` (Inductor), the backward graphs talking on an async region's groups
+    get the forward's schedule too (`passes/backward_schedule.py`); eager backward is unchanged."""
+    groups = set()
+    for override in overrides:
+        if override.method.asynchronous:
+            groups.add(mesh.cp_group_name)
+            for degree in method_spec(override.method).subgroups(override.method.params):
+                groups.update(g.group_name for g in mesh.cp_subgroups(degree))
+    if groups:
+        enable_for_groups(groups)
 
 
 def reject_unsupported_combinations(plan, overrides) -> None:

@@ -234,3 +234,29 @@ class LargestTensor(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         self.numel = max([self.numel] + [x.numel() for x in tree_leaves(out) if isinstance(x, torch.Tensor)])
         return out
+
+
+def scheduled_backward_backend(backward_graphs: list | None = None, forward_graphs: list | None = None):
+    """A `torch.compile` backend that runs what Inductor would schedule, without compiling kernels:
+    AOT autograd with Inductor's decompositions and min-cut partitioner, cpcompile's backward
+    schedule applied to each backward graph (as Inductor's post-grad hook applies it), and the
+    graphs run as FX code. The graphs are appended to `forward_graphs` / `backward_graphs`."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    from torch._inductor.decomposition import select_decomp_table
+
+    from cpcompile.passes.backward_schedule import SCHEDULE
+
+    def compiler(kept: list | None, backward: bool):
+        def compile_graph(gm, _inputs):
+            if backward:
+                SCHEDULE(gm.graph)
+                gm.recompile()
+            if kept is not None:
+                kept.append(gm)
+            return make_boxed_func(gm.forward)
+        return compile_graph
+
+    return aot_autograd(fw_compiler=compiler(forward_graphs, False), bw_compiler=compiler(backward_graphs, True),
+                        partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table())

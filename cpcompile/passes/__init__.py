@@ -11,6 +11,9 @@ Passes are plain functions `name_pass(gm, ctx) -> gm`, run in this order:
                          refuses a collective or attention with nothing to overlap (schedule.py)
 4. `verify_pass`       — lint, launch/wait pairing, fake values (checks.py)
 
+Outside this pipeline, `backward_schedule.py` applies step 3's order to the backward graphs
+Inductor compiles (a post-grad hook `compile` installs for async methods; docs/async.md).
+
 Each pass keeps `meta["val"]` valid; the orchestrator dumps the graph before and after
 each pass when a dump is requested. The rewrites of both cores build their collectives from
 `comm.py` and edit graphs with `graph_utils.py`.

@@ -81,7 +81,7 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     gm.graph.eliminate_dead_code()  # nodes the rewrite left unused must not pass for overlapped work
     cores = {node for node in gm.graph.nodes if is_core(node)}
-    collectives = find_collectives(gm, cores, ctx)
+    collectives = find_collectives(gm.graph, cores, {c.launch: c.purpose for c in ctx.collectives})
     order = priority_order(gm.graph, collectives)
     reorder_graph(gm.graph, order)
     gm.graph.lint()
@@ -93,19 +93,25 @@ def schedule_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
 # --- the collectives and their ranks ------------------------------------------------------------
 
 
-def find_collectives(gm: fx.GraphModule, cores: set[fx.Node], ctx: PassContext) -> list[Collective]:
-    purposes = {c.launch: c.purpose for c in ctx.collectives}
+def find_collectives(graph: fx.Graph, cores: set[fx.Node], purposes: dict[str, str]) -> list[Collective]:
+    """Every launch of `graph` with its wait, ranked. `cores` are the nodes a chain of
+    collectives stops at (see `reach_from`); `purposes` names launches for messages and the dump.
+    A launch that is not waited (or whose result is read elsewhere too) is not scheduled: it stays
+    an ordinary node, placed by the static priorities."""
     collectives = []
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if node.op == "call_function" and C.is_launch(node.target):
-            (wait,) = node.users  # verify_pass's invariant, already true after the rewrite
-            collectives.append(Collective(node, wait, group_of(node), len(collectives), purpose=purposes.get(node.name, "")))
+            users = list(node.users)
+            if len(users) != 1 or not C.is_wait(users[0].target):
+                continue
+            collectives.append(Collective(node, users[0], group_of(node), len(collectives),
+                                          purpose=purposes.get(node.name, "")))
     by_launch = {c.launch: c for c in collectives}
     successors = {}
     for c in collectives:
         reached_launches, c.cores = reach_from(c.wait, cores)
         c.chained = bool(reached_launches)
-        successors[c] = [by_launch[n] for n in reached_launches]
+        successors[c] = [by_launch[n] for n in reached_launches if n in by_launch]
     # a successor is downstream of its predecessor's wait, so it was emitted later: go backwards
     for c in reversed(collectives):
         c.depth = 1 + max((n.depth for n in successors[c]), default=0)

@@ -2,7 +2,10 @@
 
 The schedule pass only reorders the region graph, so an async method must match its sync
 method and the single-device run in logits, loss and every gradient, on real gloo ranks.
-All scenarios of one world size run in one `run_distributed` call.
+All scenarios of one world size run in one `run_distributed` call. The "compiled" scenario runs the
+padded batch under `torch.compile` with the backward collectives scheduled as Inductor's post-grad
+hook schedules them (`cp_harness.scheduled_backward_backend`): AllGather at CP=2, Ulysses and
+Hybrid at CP=4.
 """
 from __future__ import annotations
 
@@ -10,13 +13,17 @@ import random
 
 import pytest
 
+import torch
+
 from cp_harness import (
-    cp_outputs, method_wrapper, output_errors, random_batch, reference_run, sdpa_plan, tiny_qwen3,
+    cp_outputs, method_wrapper, output_errors, random_batch, reference_run, scheduled_backward_backend, sdpa_plan,
+    tiny_qwen3,
 )
 from dist_utils import run_distributed
 
 TOL = 1e-5
 METHODS_AT = {2: ("all_gather", "ulysses"), 4: ("all_gather", "ulysses", "hybrid")}  # Hybrid: cp 4, u=2
+COMPILED_AT = {2: ("all_gather",), 4: ("ulysses", "hybrid")}  # each method once under torch.compile (CI time)
 _results: dict[int, list] = {}
 
 
@@ -38,6 +45,12 @@ def _run_all(rank: int, world: int, seed: int) -> dict:
             sync = cp_outputs(make, batch, sdpa_plan(world, method_wrapper(method, asynchronous=False)))
             async_ = cp_outputs(make, batch, sdpa_plan(world, method_wrapper(method, asynchronous=True)))
             out[(method, scenario)] = {"vs_cp1": output_errors(async_, single), "vs_sync": output_errors(async_, sync)}
+            if scenario == "qwen3_padded" and method in COMPILED_AT[world]:  # the backward scheduled (issue 19)
+                torch._dynamo.reset()
+                compiled = cp_outputs(make, batch, sdpa_plan(world, method_wrapper(method, asynchronous=True)),
+                                      compile_backend=scheduled_backward_backend())
+                out[(method, "compiled")] = {"vs_cp1": output_errors(compiled, single),
+                                             "vs_sync": output_errors(compiled, sync)}
     if world == 2:
         batch = batches["qwen3_padded"]
         compiled = cp_outputs(make, batch, sdpa_plan(world, method_wrapper("all_gather", True)), compile_backend="aot_eager")
@@ -51,7 +64,8 @@ def results_for(world: int) -> list:
     return _results[world]
 
 
-CASES = [(w, m, s) for w, methods in METHODS_AT.items() for m in methods for s in ("qwen3", "qwen3_padded")]
+CASES = ([(w, m, s) for w, methods in METHODS_AT.items() for m in methods for s in ("qwen3", "qwen3_padded")]
+         + [(w, m, "compiled") for w, methods in COMPILED_AT.items() for m in methods])
 
 
 @pytest.mark.parametrize("world, method, scenario", CASES)

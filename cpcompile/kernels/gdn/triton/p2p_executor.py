@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.profiler import record_function
 
 from ..summary import chain_grad_step, chain_step
 from . import launch
@@ -86,10 +87,13 @@ def p2p_forward(q, k, v, g, beta, scale: float, chunk_size: int, ring: Ring) -> 
         o = launch.fwd_output(qd, kd, gc, hbuf, vnbuf, scale)
         h_in = torch.zeros_like(h_out)
     else:
-        m, s, saved = launch.p2p_fwd_summary(kd, v, g, beta)
-        h_in = _received(incoming)
-        sent = ring.send(chain_step(m, s, h_in), +1)
-        o = launch.p2p_fwd_output(qd, kd, saved, h_in, scale)
+        with record_function("gdn_p2p_fwd.local_summary"):
+            m, s, saved = launch.p2p_fwd_summary(kd, v, g, beta)
+        with record_function("gdn_p2p_fwd.chain"):
+            h_in = _received(incoming)
+            sent = ring.send(chain_step(m, s, h_in), +1)
+        with record_function("gdn_p2p_fwd.output"):
+            o = launch.p2p_fwd_output(qd, kd, saved, h_in, scale)
     if sent is not None:
         sent.wait()  # the send buffer must outlive the transfer
     return o.to(q.dtype), h_in
@@ -100,15 +104,19 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
     qd, kd = cast_and_check(q, k, v, g, beta, None, chunk_size)
     qd, kd, v, g, beta = (x.contiguous() for x in (qd, kd, v, g, beta))
     do = do.to(v.dtype).contiguous()
-    incoming = ring.post_recv(h_in, +1)
-    gc, w, u, tinv = launch.fwd_prepare(kd, v, g, beta)
-    dh_local, m_t, dsaved = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
-    dh_out = _received(incoming)
-    sent = None
-    if ring.rank > 0:
-        sent = ring.send(chain_grad_step(m_t.mT, dh_local, dh_out), -1)
-    grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale,
-                                  qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
-    if sent is not None:
-        sent.wait()
+    # the phases are named on a profiler timeline (docs/gdn.md: where the chain sits)
+    with record_function("gdn_p2p_bwd.local_summary"):
+        incoming = ring.post_recv(h_in, +1)
+        gc, w, u, tinv = launch.fwd_prepare(kd, v, g, beta)
+        dh_local, m_t, dsaved = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
+    with record_function("gdn_p2p_bwd.chain"):
+        dh_out = _received(incoming)
+        sent = None
+        if ring.rank > 0:
+            sent = ring.send(chain_grad_step(m_t.mT, dh_local, dh_out), -1)
+    with record_function("gdn_p2p_bwd.finish"):
+        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale,
+                                      qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
+        if sent is not None:
+            sent.wait()
     return [grad.to(x.dtype).contiguous() for grad, x in zip(grads, (q, k, v, g, beta))]
