@@ -62,11 +62,12 @@ def test_installed_once_after_a_users_pass(monkeypatch):
             return "users-pass"
 
     users = UsersPass()
-    monkeypatch.setattr(inductor_config, "post_grad_custom_post_pass", users)
     monkeypatch.setattr(B, "_ASYNC_GROUPS", set())
-    B.enable_for_groups({"cp-group"})
-    B.enable_for_groups({"ring-group"})
-    hook = inductor_config.post_grad_custom_post_pass
+    # the config's own patch: pytest's monkeypatch deletes a config entry when it restores it
+    with inductor_config.patch(post_grad_custom_post_pass=users):
+        B.enable_for_groups({"cp-group"})
+        B.enable_for_groups({"ring-group"})
+        hook = inductor_config.post_grad_custom_post_pass
     assert hook.first is users and hook.then is B.SCHEDULE
     assert B._ASYNC_GROUPS == {"cp-group", "ring-group"}
     assert hook.uuid()[0] == "users-pass" and "cp-group,ring-group" in hook.uuid()[1]

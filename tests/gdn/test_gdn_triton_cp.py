@@ -317,8 +317,13 @@ def test_gpu_layer_triton_matches_eager_bf16():
     print("layer vs fp32, T=8192, triton / eager bf16:",
           {k: f"{errors['triton'][k]:.1e}/{errors['eager'][k]:.1e}" for k in errors["eager"]})
     failing = {k: (errors["triton"][k], errors["eager"][k]) for k in errors["eager"]
-               if not within_precision(errors["triton"][k], errors["eager"][k])}
+               if not within_precision(errors["triton"][k], errors["eager"][k], factor=_gpu_layer_factor(k))}
     assert not failing, failing
+
+
+def _gpu_layer_factor(name: str) -> float:
+    """How far the triton layer's error may exceed the eager bf16 layer's (see the test above)."""
+    return 2.0 if name.endswith(("A_log", "dt_bias")) else 1.5
 
 
 class LoopbackRing:
