@@ -179,19 +179,19 @@ def main() -> None:
 
     torch.cuda.set_device(0)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    gpu = torch.cuda.get_device_name().replace(" ", "-")
+    out = Path(args.out or ROOT / "benchmarks" / "results" / f"overlap_timeline_{_dt.date.today().isoformat()}_{gpu}.md")
+    out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
-    for method in args.methods:
+    for method in args.methods:  # the report is rewritten after each method: a cut run keeps what it measured
         trace = json.loads(profile_method(method, args).read_text())
         for phase in PHASES:
             last_step = phase_sequences(trace, phase)[-1]
             rows.append({"method": method, "phase": phase, **summarize(last_step)})
+        out.write_text(report(rows, args))
+        print(f"{method}: done", flush=True)
     dist.destroy_process_group()
-    text = report(rows, args)
-    gpu = torch.cuda.get_device_name().replace(" ", "-")
-    out = Path(args.out or ROOT / "benchmarks" / "results" / f"overlap_timeline_{_dt.date.today().isoformat()}_{gpu}.md")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text)
-    print(text)
+    print(out.read_text())
 
 
 if __name__ == "__main__":
