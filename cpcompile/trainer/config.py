@@ -49,7 +49,8 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
 
 Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` x `tp_size` processes
 (torchrun); FSDP2 shards over `dp_shard x cp` and replicates over `dp_replicate`. `tp_size > 1`
-(SDPA models, with cp_size > 1; not with dp_replicate) splits every layer's heads and MLP over tp. PP and EP are refused.
+(SDPA models, with cp_size > 1; not with dp_replicate) splits every layer's heads and MLP over
+tp. PP and EP are refused.
 """
 from __future__ import annotations
 
@@ -245,7 +246,7 @@ def load_train_config(source: str | dict) -> TrainConfig:
         raise PlanError("train.verify", "the unrewritten copy trains one replica's batch: verify needs "
                                         "dp_replicate_size = dp_shard_size = 1 (compare configs with "
                                         "`cpcompile compare` instead)")
-    # refuses a model type or key transformers does not know, before any process starts
+    # model_config refuses a model type or key transformers does not know, before any process starts
     _check_tensor_parallel(config, model_config(model))
     return config
 

@@ -267,7 +267,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if is_rank_zero():
         log(f"mesh: {accelerator.world_size_formula()}; FSDP2 over dp_shard x cp = "
             f"{accelerator.dp_shard_size * accelerator.cp_size} ranks, replicated over dp_replicate = "
-            f"{accelerator.dp_replicate_size}")
+            f"{accelerator.dp_replicate_size}; tensor parallel over tp = {accelerator.tp_size}")
         log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size}")
         for name, method in regions:
             log(f"  {name}: {method}")

@@ -27,8 +27,8 @@ activation checkpointing, `torch.compile`, FSDP2.
   `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. With TP, the
   FSDP mesh is cut from the same root mesh as the `tp` mesh (FSDP2 requires one parent for 2-D
   parallelism): a TP parameter becomes a DTensor sharded over (dp_shard_cp, tp), the others over
-  dp_shard_cp; the tp ranks of one data slot hold the same replicated parameters and gradients. The loss
-  contract (`cpcompile.loss.global_mean_loss`) gives each rank its share of the global mean, so
+  dp_shard_cp; the tp ranks of one data slot hold the same replicated parameters and gradients.
+  The loss contract (`cpcompile.loss.global_mean_loss`) gives each rank its share of the global mean, so
   gradients must be summed; FSDP2 averages them over all its ranks (a divide factor of 1 would
   need PREMUL_SUM, which gloo lacks), so the loop scales the backward by that rank count
   (`gradient_scale`).
@@ -89,7 +89,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return max(stacks, key=len)
 
 
-# the Megatron-style split of one decoder layer: (submodule, its linears: style)
+# the Megatron-style split of a decoder layer: {child module: {its linear: TP style}}
 TP_LAYOUT = {"self_attn": {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"},
              "mlp": {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}}
 
@@ -141,9 +141,10 @@ def compile_layers(model: torch.nn.Module, backend: str) -> None:
 
 
 def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
-    """The mesh FSDP2 runs over: `dp_shard x cp` flattened, with `dp_replicate` in front (HSDP)
-    when it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp
-    with pp = tp = 1, so the ranks are in the same order)."""
+    """The mesh FSDP2 runs over: `dp_shard x cp` flattened from the root mesh (so that, with TP,
+    it shares the tp mesh's parent, as FSDP2 requires), with `dp_replicate` in front (HSDP) when
+    it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp with
+    pp = tp = 1, since the config refuses HSDP + TP, so the ranks are in the same order)."""
     accelerator = mesh.accelerator
     if accelerator.dp_replicate_size == 1:
         return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp")

@@ -112,4 +112,5 @@ def _no_gate_proj(rank: int, world: int):
 
 def test_a_layer_without_the_linears_tp_splits_is_refused():
     outcome = run_distributed(_no_gate_proj, 1, init_pg=False, timeout=300)[0]
-    assert_fails_with("no_gate_proj", outcome, "PlanError", ["accelerator.tp_size", "model.layers.1", "mlp", "gate_proj"])
+    assert_fails_with("no_gate_proj", outcome, "PlanError",
+                      ["accelerator.tp_size", "model.layers.1", "mlp", "gate_proj"])
