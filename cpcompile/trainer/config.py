@@ -47,8 +47,10 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       interval: 0               # save every `interval` steps (and after the last step run)
       resume: true              # start from the latest checkpoint in the folder, when there is one
 
-Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` processes (torchrun);
-FSDP2 shards over `dp_shard x cp` and replicates over `dp_replicate`. TP, PP and EP are refused.
+Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` x `tp_size` processes
+(torchrun); FSDP2 shards over `dp_shard x cp` and replicates over `dp_replicate`. `tp_size > 1`
+(SDPA models, with cp_size > 1; not with dp_replicate) splits every layer's heads and MLP over
+tp. PP and EP are refused.
 """
 from __future__ import annotations
 
@@ -244,8 +246,39 @@ def load_train_config(source: str | dict) -> TrainConfig:
         raise PlanError("train.verify", "the unrewritten copy trains one replica's batch: verify needs "
                                         "dp_replicate_size = dp_shard_size = 1 (compare configs with "
                                         "`cpcompile compare` instead)")
-    model_config(model)  # refuses a model type or key transformers does not know, before any process starts
+    # model_config refuses a model type or key transformers does not know, before any process starts
+    _check_tensor_parallel(config, model_config(model))
     return config
+
+
+def _check_tensor_parallel(config: TrainConfig, transformers_config) -> None:
+    """What tp_size > 1 needs, said by field before any process starts: an SDPA model (no Gated
+    DeltaNet layer, no GDN CP method) whose query and KV heads split evenly over tp, cp_size > 1
+    (parallelize.py says why), and no dp_replicate (FSDP2 with TP over a dp_replicate x
+    dp_shard_cp mesh: not yet)."""
+    accelerator, plan = config.plan.accelerator, config.plan
+    tp = accelerator.tp_size
+    if tp == 1:
+        return
+    text = transformers_config.get_text_config()
+    gdn_methods = [o for o in plan.overrides if o.method is not None and o.method.core == "gdn"]
+    if "linear_attention" in (getattr(text, "layer_types", None) or ()) or gdn_methods:
+        raise PlanError("accelerator.tp_size", f"is {tp} with a Gated DeltaNet model ({text.model_type}): TP+CP on "
+                                               "GDN layers is out of scope (the GDN CP methods split or chain the "
+                                               "recurrent state of the whole layer's heads); set tp_size: 1")
+    for key in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(text, key, None)
+        if heads is not None and heads % tp:
+            raise PlanError("accelerator.tp_size", f"is {tp}, which does not divide the model's {key}={heads}: "
+                                                   "tensor parallelism splits whole heads")
+    if accelerator.cp_size == 1:
+        raise PlanError("accelerator.tp_size", f"is {tp} with cp_size=1: the trainer's TP needs every attention "
+                                               "rewritten for CP (cp_size > 1), where a replicated parameter applied "
+                                               "to the TP-local heads (Qwen3's q_norm) gets its full gradient")
+    if accelerator.dp_replicate_size > 1:
+        raise PlanError("accelerator.dp_replicate_size", f"is {accelerator.dp_replicate_size} with tp_size={tp}: "
+                                                         "FSDP2 with TP replicated over dp_replicate (HSDP + TP) is "
+                                                         "not supported by the trainer yet; use dp_shard_size")
 
 
 def _section(name: str, raw: Any, cls):

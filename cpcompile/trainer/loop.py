@@ -30,8 +30,9 @@ from . import checkpoint
 from .config import TrainConfig, TrainSettings
 from .data import TokenStream
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
-from .parallelize import (apply_activation_checkpointing, apply_fsdp, build_model, compile_layers, fsdp_mesh, gradient_scale,
-                          is_rank_zero, parameter_count, rewritten_regions, use_cpcompile_gdn)
+from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, build_model,
+                          compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, parameter_count, rewritten_regions,
+                          use_cpcompile_gdn)
 
 
 def check_world_size(plan: Plan) -> None:
@@ -134,14 +135,29 @@ class Trainer:
         return record
 
     def _clip(self) -> float:
-        params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.config.train.grad_clip is not None:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.config.train.grad_clip)
-        else:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-        if hasattr(norm, "full_tensor"):
-            norm = norm.full_tensor()
-        return norm.item()
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        return clip_gradients(grads, self.config.train.grad_clip)
+
+
+def clip_gradients(grads: list[torch.Tensor], max_norm: float | None) -> float:
+    """The global 2-norm of `grads` (before clipping); with `max_norm`, scale them in place as
+    `clip_grad_norm_` does (by max_norm / (norm + 1e-6) when that is below 1).
+
+    `clip_grad_norm_` stacks the per-tensor norms, which DTensors of different meshes refuse: with
+    TP, FSDP2's gradients of the tensor-parallel linears live on (dp_shard_cp, tp) and the others
+    on dp_shard_cp. So the norm is taken per mesh (each a full, reduced value) and combined."""
+    by_mesh: dict = {}
+    for grad in grads:
+        by_mesh.setdefault(getattr(grad, "device_mesh", None), []).append(grad)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+    if max_norm is not None and total + 1e-6 > max_norm:
+        for group in by_mesh.values():
+            torch._foreach_mul_(group, max_norm / (total + 1e-6))
+    return total
 
 
 def _reference_step(reference: tuple, batch: dict) -> float:
@@ -168,6 +184,8 @@ def build_trainer(config: TrainConfig) -> Trainer:
     model = build_model(config.model, settings)
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
+    if config.plan.accelerator.tp_size > 1:
+        apply_tensor_parallel(model, mesh)
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=_split_targets(first)[0])
     use_cpcompile_gdn(model, settings.gdn_backend)
     if settings.ac_mode == "every_layer":
@@ -249,7 +267,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     if is_rank_zero():
         log(f"mesh: {accelerator.world_size_formula()}; FSDP2 over dp_shard x cp = "
             f"{accelerator.dp_shard_size * accelerator.cp_size} ranks, replicated over dp_replicate = "
-            f"{accelerator.dp_replicate_size}")
+            f"{accelerator.dp_replicate_size}; tensor parallel over tp = {accelerator.tp_size}")
         log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size}")
         for name, method in regions:
             log(f"  {name}: {method}")

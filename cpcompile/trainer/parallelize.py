@@ -1,6 +1,13 @@
-"""Build the model and parallelize it, in this order: CP rewrite, activation checkpointing,
-`torch.compile`, FSDP2.
+"""Build the model and parallelize it, in this order: tensor parallelism, CP rewrite,
+activation checkpointing, `torch.compile`, FSDP2.
 
+- **TP** (`tp_size > 1`, SDPA models): PyTorch's own `parallelize_module` over the `tp`
+  dimension of the cpcompile mesh, Megatron style: `ColwiseParallel` on q/k/v and the MLP's
+  gate/up, `RowwiseParallel` on o and down (their default layouts, the ones a CP region can
+  trace: cpcompile/tp.py). It comes first, as `cpcompile.compile` requires. The config requires
+  cp_size > 1 with it, so that every attention is a rewritten CP region (coverage): a plain
+  replicated parameter applied to the local heads (Qwen3's q_norm, k_norm) gets its full
+  gradient only there.
 - **CP** (`cpcompile.compile`): the plan's regions are rewritten in place on the full,
   unsharded model, from a probe forward on the first batch. Each rewritten region reads its
   parameters from the live module at call time, so FSDP2 may shard them afterwards.
@@ -17,8 +24,11 @@
   (the region's call breaks the graph, and a break inside a checkpoint falls back to eager for
   the whole layer): those layers run eagerly, correct but not compiled.
 - **FSDP2** (`fully_shard`): each decoder layer, then the root, shard over the flattened
-  `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. The loss
-  contract (`cpcompile.loss.global_mean_loss`) gives each rank its share of the global mean, so
+  `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. With TP, the
+  FSDP mesh is cut from the same root mesh as the `tp` mesh (FSDP2 requires one parent for 2-D
+  parallelism): a TP parameter becomes a DTensor sharded over (dp_shard_cp, tp), the others over
+  dp_shard_cp; the tp ranks of one data slot hold the same replicated parameters and gradients.
+  The loss contract (`cpcompile.loss.global_mean_loss`) gives each rank its share of the global mean, so
   gradients must be summed; FSDP2 averages them over all its ranks (a divide factor of 1 would
   need PREMUL_SUM, which gloo lacks), so the loop scales the backward by that rank count
   (`gradient_scale`).
@@ -79,6 +89,35 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return max(stacks, key=len)
 
 
+# the Megatron-style split of a decoder layer: {child module: {its linear: TP style}}
+TP_LAYOUT = {"self_attn": {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"},
+             "mlp": {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}}
+
+
+def apply_tensor_parallel(model: torch.nn.Module, mesh: CPMesh) -> None:
+    """PyTorch TP over `mesh.root["tp"]` on every decoder layer's attention and MLP (`TP_LAYOUT`).
+    A layer that does not have that shape is a `PlanError` on `accelerator.tp_size` naming it
+    (GDN models are refused earlier, by the config)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    styles = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    tp_size = mesh.accelerator.tp_size
+    plan = {}
+    layers = decoder_layers(model)
+    prefix = next(name for name, m in model.named_modules() if m is layers)
+    for index, layer in enumerate(layers):
+        where = f"{prefix}.{index}"
+        for part, linears in TP_LAYOUT.items():
+            owner = getattr(layer, part, None)
+            missing = [n for n in linears if not isinstance(getattr(owner, n, None), torch.nn.Linear)]
+            if missing:
+                raise PlanError("accelerator.tp_size", f"is {tp_size}, but {where} has no {part} with the nn.Linear "
+                                                       f"{', '.join(missing)}: the trainer's tensor parallelism splits "
+                                                       "q/k/v/o_proj and gate/up/down_proj (Llama / Qwen3 style)")
+            plan.update({f"{where}.{part}.{name}": styles[style]() for name, style in linears.items()})
+    parallelize_module(model, mesh.root["tp"], plan)
+
+
 def apply_activation_checkpointing(model: torch.nn.Module) -> int:
     """Every decoder layer's forward under non-reentrant `torch.utils.checkpoint`; -> layers wrapped.
     The layer's own `__call__` (FSDP's hooks) stays outside: FSDP unshards the parameters
@@ -102,9 +141,10 @@ def compile_layers(model: torch.nn.Module, backend: str) -> None:
 
 
 def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
-    """The mesh FSDP2 runs over: `dp_shard x cp` flattened, with `dp_replicate` in front (HSDP)
-    when it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp
-    with pp = tp = 1, so the ranks are in the same order)."""
+    """The mesh FSDP2 runs over: `dp_shard x cp` flattened from the root mesh (so that, with TP,
+    it shares the tp mesh's parent, as FSDP2 requires), with `dp_replicate` in front (HSDP) when
+    it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp with
+    pp = tp = 1, since the config refuses HSDP + TP, so the ranks are in the same order)."""
     accelerator = mesh.accelerator
     if accelerator.dp_replicate_size == 1:
         return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp")
