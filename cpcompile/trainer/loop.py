@@ -169,7 +169,7 @@ def build_trainer(config: TrainConfig) -> Trainer:
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=_split_targets(first)[0])
-    use_cpcompile_gdn(model, settings.gdn_backend)
+    use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     if settings.ac_mode == "every_layer":
         apply_activation_checkpointing(model)
     if settings.compile_backend:
@@ -193,7 +193,7 @@ def _references(config: TrainConfig) -> dict[str, tuple]:
     references = {}
     for name, variant in variants.items():
         model = build_model(config.model, variant)
-        use_cpcompile_gdn(model, settings.gdn_backend)
+        use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
         references[name] = (model, *build_optimizer(model, config))
     return references
 
