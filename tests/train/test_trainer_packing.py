@@ -133,7 +133,7 @@ def _two_ranks(rank: int, world: int, seed: int, path: str, folder: str) -> dict
     out["stopped"] = _curves(_run(saving, stop_after=2))
     out["resumed"] = _curves(_run(saving))
     try:
-        _run(_packed(seed, 2, backend="triton"), stop_after=1)
+        _run(_packed(seed, 2, backend="triton", chunk_size=64), stop_after=1)
     except CPInputError as exc:
         out["triton"] = str(exc)
     return out
