@@ -5,6 +5,10 @@ Each step: this replica's rows (`data.py`), `shard_batch` for this CP rank, forw
 this rank's summed token loss, `global_mean_loss` over `dp x cp` (each valid token counted once;
 gradients are the rank's share, summed by FSDP2), backward, the global gradient norm (clipped
 with `train.grad_clip`), AdamW, the LR schedule. Global rank 0 logs.
+
+With `data.packing`, the rows carry `position_ids` restarting per document: `shard_batch` ends the
+labels at document ends and hands the documents to the rewritten regions; a plan that cannot run
+them (triton GDN) refuses the first batch, sharded while the trainer is built, before step 1.
 """
 from __future__ import annotations
 
