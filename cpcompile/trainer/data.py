@@ -124,13 +124,21 @@ class TokenStream:
         packed: input_ids, position_ids, labels (no attention mask: nothing is padded)."""
         rows_per_replica = self.settings.batch_size // replicas
         first = step * self.settings.batch_size + replica * rows_per_replica
-        make_row = self.packed_row if self.packing else self.row
-        ids, second = (torch.stack(t) for t in zip(*(make_row(first + i) for i in range(rows_per_replica))))
+        rows = range(first, first + rows_per_replica)
         if self.packing:
-            batch = {"input_ids": ids, "position_ids": second, "labels": ids.masked_fill(second == 0, IGNORE_INDEX)}
+            ids, positions = _stack(self.packed_row(i) for i in rows)
+            batch = {"input_ids": ids, "position_ids": positions,
+                     "labels": ids.masked_fill(positions == 0, IGNORE_INDEX)}
         else:
-            batch = {"input_ids": ids, "attention_mask": second, "labels": ids.masked_fill(second == 0, IGNORE_INDEX)}
+            ids, mask = _stack(self.row(i) for i in rows)
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
         return {k: v.to(self.settings.device) for k, v in batch.items()}
+
+
+def _stack(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(a, b), ...] rows -> (stacked a, stacked b)."""
+    first, second = zip(*rows)
+    return torch.stack(first), torch.stack(second)
 
 
 def _concatenate(documents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
