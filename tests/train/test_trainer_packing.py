@@ -4,7 +4,7 @@ end, position ids restarting at 0 per document, labels ending at document ends.
 Unit tests of the packed stream (file and synthetic), then real gloo runs, float64: a packed run at
 cp 2 (GDN State-P2P eager + SDPA AllGather on synthetic documents; GDN State-P2P + SDPA Ulysses on
 a JSONL file) follows the same packed run in one process without a plan; a packed run stopped and
-resumed from its checkpoint continues the same trajectory; a triton GDN plan refuses packing while
+resumed from its checkpoint continues the same trajectory; `train.verify` judges packed steps; a triton GDN plan refuses packing while
 the trainer is built, before step 1; packing without the eager GDN core outside CP is refused."""
 from __future__ import annotations
 
@@ -131,6 +131,9 @@ def _two_ranks(rank: int, world: int, seed: int, path: str, folder: str) -> dict
 
     out = {"synthetic": _curves(_run(_packed(seed, 2))),
            "jsonl_ulysses": _curves(_run(_packed(seed, 2, sdpa="sdpa_hf_ulysses", path=path)))}
+    verified = _packed(seed, 2)
+    verified["train"].update(verify=True, verify_rtol=1e-6)  # each step against an unrewritten copy
+    out["verified"] = _curves(_run(verified))
     saving = dict(_packed(seed, 2), checkpoint={"folder": folder, "interval": 2})
     out["stopped"] = _curves(_run(saving, stop_after=2))
     out["resumed"] = _curves(_run(saving))
@@ -168,12 +171,15 @@ def runs(tmp_path_factory):
 
 def test_a_packed_cp_2_run_follows_the_packed_run_without_a_plan(runs):
     """GDN State-P2P (eager) with SDPA AllGather on synthetic documents, and with SDPA Ulysses on a
-    JSONL file: every step's loss, gradient norm and LR within 1e-7 in float64 (the GDN decay
-    gradients, as in test_trainer.py), the same on both ranks."""
+    JSONL file, float64: step 1's loss and gradient norm within 1e-9 (one exact forward and
+    backward), every later step's within 1e-6 (AdamW turns the ~1e-11 rounding of gradient entries
+    near zero into whole updates, and the GDN decay gradients sum cancelling terms: ~2e-8 seen in
+    the gradient norm by step 4); the same on both ranks."""
     two, one = runs
-    assert _close(two[0]["synthetic"], one["synthetic"], 1e-7), (two[0]["synthetic"], one["synthetic"])
-    assert _close(two[0]["jsonl_ulysses"], one["jsonl"], 1e-7), (two[0]["jsonl_ulysses"], one["jsonl"])
+    for cp2, alone in ((two[0]["synthetic"], one["synthetic"]), (two[0]["jsonl_ulysses"], one["jsonl"])):
+        assert _close(cp2[:1], alone[:1], 1e-9) and _close(cp2, alone, 1e-6), (cp2, alone)
     assert two[1]["synthetic"] == two[0]["synthetic"]
+    assert two[0]["verified"] == two[0]["synthetic"]  # verify (train.verify) passed every step
 
 
 def test_a_resumed_packed_run_continues_the_same_trajectory(runs):
