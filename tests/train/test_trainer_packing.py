@@ -3,9 +3,10 @@ end, position ids restarting at 0 per document, labels ending at document ends.
 
 Unit tests of the packed stream (file and synthetic), then real gloo runs, float64: a packed run at
 cp 2 (GDN State-P2P eager + SDPA AllGather on synthetic documents; GDN State-P2P + SDPA Ulysses on
-a JSONL file) follows the same packed run in one process without a plan; a packed run stopped and
-resumed from its checkpoint continues the same trajectory; `train.verify` judges packed steps; a triton GDN plan refuses packing while
-the trainer is built, before step 1; packing without the eager GDN core outside CP is refused."""
+a JSONL file) follows the same packed run in one process without a plan, and `train.verify`
+passes; a packed run stopped and resumed from its checkpoint continues the same trajectory; a
+triton GDN plan refuses packing while the trainer is built, before step 1; packing without the
+eager GDN core outside CP is refused."""
 from __future__ import annotations
 
 import json
