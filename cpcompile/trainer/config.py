@@ -41,7 +41,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       source: synthetic         # synthetic (random token ids) | text | jsonl (a local file)
       path: null                # text: documents separated by blank lines; jsonl: one object a line
       text_field: text          # jsonl: the key holding a document
-      packing: false            # one document per row (padded / truncated); packing: not yet
+      packing: false            # false: one document per row (padded / truncated); true: documents
+                                # packed end to end into full rows, position ids restarting at 0 per
+                                # document (synthetic: random document lengths); data.py says how
     checkpoint:
       folder: null              # DCP checkpoints: <folder>/step-<n>
       interval: 0               # save every `interval` steps (and after the last step run)
@@ -173,9 +175,6 @@ class DataSettings:
     def validate(self) -> "DataSettings":
         check_choice("data.source", self.source, DATA_SOURCES)
         check_bool("data.packing", self.packing)
-        if self.packing:
-            raise PlanError("data.packing", "sequence packing is not supported by the trainer yet: set packing: "
-                                            "false (each row holds one document, padded or truncated)")
         check_optional_string("data.path", self.path)
         check_optional_string("data.text_field", self.text_field)
         if self.source == "synthetic":

@@ -10,6 +10,21 @@ Sources: `synthetic` (random token ids), or a local `text` / `jsonl` file of doc
 by `ByteTokenizer` (UTF-8 bytes; one more id ends a document). Without packing, a row holds one
 document (cycled in file order), cut to `seq_len` tokens or right-padded (attention mask 0,
 label -100).
+
+With packing (`data.packing: true`) a row is `seq_len` tokens of documents laid end to end, with
+`position_ids` restarting at 0 at every document and no padding (`documents.py`, docs/batch.md):
+
+- a file: its documents in file order, cycled, as one endless token stream; row `i` is tokens
+  `[i * seq_len, (i + 1) * seq_len)` of it. A document that overflows a row is split, not moved:
+  its rest opens the next row as a document of its own (positions from 0 again), so no token is
+  dropped or padded;
+- synthetic: random token ids (the same as without packing) cut into documents of random lengths
+  (uniform in 1..seq_len/2, drawn from the row's own generator), so rows hold several documents,
+  some shorter than a GDN conv kernel.
+
+A packed batch's labels are the ids with -100 at every document's first token: after the shift,
+the last token of a document predicts nothing (`shard_batch` enforces the same), and the loss is
+the mean over the real targets only.
 """
 from __future__ import annotations
 
@@ -62,6 +77,7 @@ class TokenStream:
     def __init__(self, data: DataSettings, settings: TrainSettings, vocab_size: int):
         self.settings = settings
         self.vocab_size = vocab_size
+        self.packing = data.packing
         self.documents = None
         if data.source != "synthetic":
             tokenizer = ByteTokenizer()
@@ -70,6 +86,8 @@ class TokenStream:
                                                     f"model has {vocab_size}")
             self.documents = [tokenizer.encode(doc) for doc in read_documents(data)]
             self.pad_id = tokenizer.eos_id
+            if self.packing:
+                self.tokens, self.starts = _concatenate(self.documents)
 
     def row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids, attention mask) of global row `index`, each [seq_len]."""
@@ -85,11 +103,53 @@ class TokenStream:
         mask[: len(tokens)] = 1
         return ids, mask
 
+    def packed_row(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, position ids restarting at 0 per document) of packed global row `index`."""
+        seq_len = self.settings.seq_len
+        if self.documents is None:
+            gen = torch.Generator().manual_seed(self.settings.seed * 1_000_003 + index)
+            ids = torch.randint(0, self.vocab_size, (seq_len,), generator=gen)
+            lengths = torch.randint(1, max(1, seq_len // 2) + 1, (seq_len,), generator=gen)
+            starts = torch.zeros(seq_len, dtype=torch.bool)
+            ends = lengths.cumsum(0)
+            starts[ends[ends < seq_len]] = True
+        else:
+            where = (index * seq_len + torch.arange(seq_len)) % self.tokens.numel()
+            ids, starts = self.tokens[where], self.starts[where]
+        starts[0] = True  # a row opens with a document, also the rest of one split at the row boundary
+        return ids, positions_from_starts(starts)
+
     def batch(self, step: int, replica: int = 0, replicas: int = 1) -> dict[str, torch.Tensor]:
-        """The global batch of one replica at `step` (0-based): input_ids, attention_mask, labels."""
+        """The global batch of one replica at `step` (0-based): input_ids, attention_mask, labels;
+        packed: input_ids, position_ids, labels (no attention mask: nothing is padded)."""
         rows_per_replica = self.settings.batch_size // replicas
         first = step * self.settings.batch_size + replica * rows_per_replica
-        ids, mask = (torch.stack(t) for t in zip(*(self.row(first + i) for i in range(rows_per_replica))))
-        labels = ids.masked_fill(mask == 0, IGNORE_INDEX)
-        batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+        rows = range(first, first + rows_per_replica)
+        if self.packing:
+            ids, positions = _stack(self.packed_row(i) for i in rows)
+            batch = {"input_ids": ids, "position_ids": positions,
+                     "labels": ids.masked_fill(positions == 0, IGNORE_INDEX)}
+        else:
+            ids, mask = _stack(self.row(i) for i in rows)
+            batch = {"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, IGNORE_INDEX)}
         return {k: v.to(self.settings.device) for k, v in batch.items()}
+
+
+def _stack(rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """[(a, b), ...] rows -> (stacked a, stacked b)."""
+    first, second = zip(*rows)
+    return torch.stack(first), torch.stack(second)
+
+
+def _concatenate(documents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(every token in order, whether each starts a document): one pass over a file's documents."""
+    tokens = torch.tensor([t for doc in documents for t in doc], dtype=torch.long)
+    starts = torch.zeros(tokens.numel(), dtype=torch.bool)
+    starts[torch.tensor([0] + [len(doc) for doc in documents[:-1]]).cumsum(0)] = True
+    return tokens, starts
+
+
+def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its document, from a [S] bool of document starts (starts[0] set)."""
+    index = torch.arange(starts.numel())
+    return index - torch.where(starts, index, 0).cummax(0).values

@@ -5,6 +5,10 @@ Each step: this replica's rows (`data.py`), `shard_batch` for this CP rank, forw
 this rank's summed token loss, `global_mean_loss` over `dp x cp` (each valid token counted once;
 gradients are the rank's share, summed by FSDP2), backward, the global gradient norm (clipped
 with `train.grad_clip`), AdamW, the LR schedule. Global rank 0 logs.
+
+With `data.packing`, the rows carry `position_ids` restarting per document: `shard_batch` ends the
+labels at document ends and hands the documents to the rewritten regions; a plan that cannot run
+them (triton GDN) refuses the first batch, sharded while the trainer is built, before step 1.
 """
 from __future__ import annotations
 
@@ -187,7 +191,7 @@ def build_trainer(config: TrainConfig) -> Trainer:
     if config.plan.accelerator.tp_size > 1:
         apply_tensor_parallel(model, mesh)
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=_split_targets(first)[0])
-    use_cpcompile_gdn(model, settings.gdn_backend)
+    use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     if settings.ac_mode == "every_layer":
         apply_activation_checkpointing(model)
     if settings.compile_backend:
@@ -211,7 +215,7 @@ def _references(config: TrainConfig) -> dict[str, tuple]:
     references = {}
     for name, variant in variants.items():
         model = build_model(config.model, variant)
-        use_cpcompile_gdn(model, settings.gdn_backend)
+        use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
         references[name] = (model, *build_optimizer(model, config))
     return references
 

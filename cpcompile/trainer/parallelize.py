@@ -64,19 +64,42 @@ def build_model(raw_model_config: dict, settings: TrainSettings) -> torch.nn.Mod
     return model.to(device=settings.device, dtype=DTYPES[settings.dtype])
 
 
-def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None) -> int:
+def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool = False) -> int:
     """Route every GDN layer that CP did not rewrite through cpcompile's statement of the layer
-    with the `backend` core (the same algorithm as the rewritten layers); -> how many."""
+    with the `backend` core (the same algorithm as the rewritten layers); -> how many.
+
+    With `packing`, those layers reset their state and conv at every document start, read from the
+    model call's `position_ids` (a GDN layer's own call lacks them): only the eager core can, and
+    transformers' path (no `backend`) would run across documents, so both are refused here."""
+    layers = [m for m in model.modules() if is_gdn_layer(m) and not hasattr(m, REWRITTEN_MARK)]
+    if packing and layers and backend != "eager":
+        raise PlanError("train.gdn_backend", f"data.packing: {len(layers)} GDN layer(s) run outside CP, and "
+                                             f"only cpcompile's eager GDN core resets its state at document "
+                                             f"starts; set gdn_backend: eager (got {backend})")
     if backend is None:
         return 0
+    documents = _DocumentPositions(model) if packing else None
 
     def forward(self, hidden_states, attention_mask=None, **_):
-        return gdn_layer_forward(self, hidden_states, attention_mask, chunk_size=CHUNK_SIZE, backend=backend)
+        positions = documents.positions if documents is not None else None
+        return gdn_layer_forward(self, hidden_states, attention_mask, positions, chunk_size=CHUNK_SIZE,
+                                 backend=backend)
 
-    layers = [m for m in model.modules() if is_gdn_layer(m) and not hasattr(m, REWRITTEN_MARK)]
     for layer in layers:
         layer.forward = types.MethodType(forward, layer)
     return len(layers)
+
+
+class _DocumentPositions:
+    """The `position_ids` of the model's current call, kept by a forward pre-hook (also for the
+    recompute of a checkpointed layer, which runs before the next call)."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.positions: torch.Tensor | None = None
+        model.register_forward_pre_hook(self._keep, with_kwargs=True)
+
+    def _keep(self, _module, args, kwargs):
+        self.positions = kwargs.get("position_ids")
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -72,7 +72,7 @@ def test_losses_follow_the_unrewritten_model(model):
     (lambda c: c.update(optimizer={"betas": [0.9]}), "optimizer.betas"),
     (lambda c: c.update(data={"source": "text"}), "data.path"),
     (lambda c: c.update(data={"source": "jsonl", "path": "/no/such/file"}), "data.path"),
-    (lambda c: c.update(data={"packing": True}), "data.packing"),
+    (lambda c: c.update(data={"packing": "yes"}), "data.packing"),
     (lambda c: c.update(checkpoint={"interval": 2}), "checkpoint.interval"),
     (lambda c: c.update(model={"path": "/no/such/folder"}), "model.path"),
     (lambda c: c.update(trainer={}), "trainer"),
