@@ -110,11 +110,13 @@ def runs(tmp_path_factory):
 
 def test_fsdp_over_dp_shard_x_cp_follows_one_process_without_cp(runs):
     """dp_shard 2 x cp 2 (GDN State-P2P + SDPA AllGather) against one process without a plan:
-    every step's loss, gradient norm and learning rate within 1e-7 in float64 (the GDN decay
-    gradients sum cancelling terms: ~3e-9 seen); the loss is the
-    global mean, the same on every rank."""
+    the first step's loss, gradient norm and learning rate within 1e-9 in float64, the whole
+    trajectory within 1e-6 (the issue's bound: the GDN decay gradients sum cancelling terms, and
+    AdamW turns their rounding into real updates — 1.4e-7 seen in the gradient norm by step 3);
+    the loss is the global mean, the same on every rank."""
     four, one = runs
-    assert _close(four[0]["fsdp_cp"], one["no_cp"], 1e-7), (four[0]["fsdp_cp"], one["no_cp"])
+    assert _close(four[0]["fsdp_cp"][:1], one["no_cp"][:1], 1e-9), (four[0]["fsdp_cp"], one["no_cp"])
+    assert _close(four[0]["fsdp_cp"], one["no_cp"], 1e-6), (four[0]["fsdp_cp"], one["no_cp"])
     assert all(r["fsdp_cp"] == four[0]["fsdp_cp"] for r in four)
 
 
@@ -138,14 +140,14 @@ def test_a_resumed_run_continues_the_same_trajectory(runs):
     """Stopped after step 2, resumed from its DCP checkpoint: steps 3-4 identical to the
     uninterrupted run. DCP reshards, so the same checkpoint resumes with dp_replicate 2 instead of
     dp_shard 2, and one of dp_shard 4 (cp 1) in one process: the same trajectory within rounding
-    (1e-7: float64 sums in another order, amplified by the GDN decay gradients as above)."""
+    (1e-6: float64 sums in another order, amplified by the GDN decay gradients and AdamW as above)."""
     four, one = runs
     full = four[0]["fsdp_cp"]
     assert four[0]["stopped"] == full[:2]
     assert four[0]["resumed"] == full[2:]
     assert _close(four[0]["resumed_other_dp"], full[2:], 1e-12), (four[0]["resumed_other_dp"], full[2:])
-    assert _close(four[0]["dp4_stopped"], one["no_cp"][:2], 1e-7), (four[0]["dp4_stopped"], one["no_cp"])
-    assert _close(one["dp1_resumed"], one["no_cp"][2:], 1e-7), (one["dp1_resumed"], one["no_cp"])
+    assert _close(four[0]["dp4_stopped"], one["no_cp"][:2], 1e-6), (four[0]["dp4_stopped"], one["no_cp"])
+    assert _close(one["dp1_resumed"], one["no_cp"][2:], 1e-6), (one["dp1_resumed"], one["no_cp"])
 
 
 def test_another_cp_size_is_refused_at_resume(runs):
