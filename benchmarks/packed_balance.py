@@ -5,10 +5,13 @@
 A query attends to the keys of its own document up to itself, so a token's work is its position
 in its document + 1 (query-key pairs; the kernels skip the rest). For documents drawn from
 several length mixes, the table gives each layout's busiest rank over the mean (1.00 = perfectly
-balanced; the step waits for the busiest rank): contiguous blocks (AllGather, Ulysses' input
-split) and Head-Tail over the packed sequence (rank r holds chunks r and 2·cp−1−r), each the
-worst of 20 random packings. Ulysses itself computes whole documents on a share of the heads
-and is balanced by construction.
+balanced; the step waits for the busiest rank), each the worst of 20 random packings:
+- contiguous blocks (AllGather, Ulysses' input split);
+- Head-Tail over the packed sequence (rank r holds chunks r and 2·cp−1−r), what cpcompile runs;
+- per-document Head-Tail (every document cut into 2·cp pieces, rank r holds pieces r and
+  2·cp−1−r of each): not built, shown as the target (ranks would hold unequal token counts
+  when a document's length is not a multiple of 2·cp).
+Ulysses itself computes whole documents on a share of the heads and is balanced by construction.
 """
 from __future__ import annotations
 
@@ -43,12 +46,24 @@ def packing(mix: str, seq: int, seed: int) -> torch.Tensor:
     return torch.cat([torch.arange(n) for n in lengths])[:seq]
 
 
+LAYOUTS = ("contiguous", "head_tail", "per-document head-tail")
+
+
 def rank_work(positions: torch.Tensor, cp: int, layout: str) -> torch.Tensor:
     work = (positions + 1).double()
     if layout == "contiguous":
         return work.view(cp, -1).sum(1)
-    chunks = work.view(2 * cp, -1).sum(1)
-    return torch.stack([chunks[r] + chunks[2 * cp - 1 - r] for r in range(cp)])
+    if layout == "head_tail":
+        return head_tail_work(work, cp)
+    starts = (positions == 0).nonzero().flatten().tolist() + [positions.numel()]
+    return sum(head_tail_work(work[a:b], cp) for a, b in zip(starts[:-1], starts[1:]))
+
+
+def head_tail_work(work: torch.Tensor, cp: int) -> torch.Tensor:
+    """Rank r's share of `work` cut into 2·cp near-equal pieces: pieces r and 2·cp−1−r."""
+    edges = [len(work) * i // (2 * cp) for i in range(2 * cp + 1)]
+    pieces = [work[a:b].sum() for a, b in zip(edges[:-1], edges[1:])]
+    return torch.stack([pieces[r] + pieces[2 * cp - 1 - r] for r in range(cp)])
 
 
 def imbalance(positions: torch.Tensor, cp: int, layout: str) -> float:
@@ -66,13 +81,13 @@ def main() -> int:
     lines = [f"# Causal attention work per rank, packed documents — {_dt.date.today().isoformat()}", "",
              f"S = {args.seq} tokens; busiest rank / mean rank (1.00 = balanced), worst of {args.seeds} packings. "
              "Produced by `benchmarks/packed_balance.py` (work counted, nothing timed).", "",
-             "| documents | " + " | ".join(f"CP={cp} contiguous | CP={cp} head-tail" for cp in args.cp) + " |",
-             "|---|" + "---|---|" * len(args.cp)]
+             "| documents | " + " | ".join(f"CP={cp} {layout}" for cp in args.cp for layout in LAYOUTS) + " |",
+             "|---|" + "---|" * len(LAYOUTS) * len(args.cp)]
     for mix in MIXES:
         cells = []
         for cp in args.cp:
             packings = [packing(mix, args.seq, seed) for seed in range(args.seeds)]
-            cells += [f"{max(imbalance(p, cp, layout) for p in packings):.2f}" for layout in ("contiguous", "head_tail")]
+            cells += [f"{max(imbalance(p, cp, layout) for p in packings):.2f}" for layout in LAYOUTS]
         lines.append(f"| {mix} | " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     print(text)
