@@ -68,6 +68,21 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def each_document_alone(model, batch: dict, spans) -> dict:
+    """The packed-batch reference: the unrewritten `model` on every document `[a, b)` of the row by
+    itself, with one global mean loss over all documents' targets."""
+    targets = sum(b - a - 1 for a, b in spans)
+    logits, loss = [], 0.0
+    for a, b in spans:
+        out = model(input_ids=batch["input_ids"][:, a:b], labels=batch["labels"][:, a:b],
+                    num_items_in_batch=torch.tensor(targets), use_cache=False)
+        logits.append(out.logits.detach())
+        loss = loss + out.loss
+    loss.backward()
+    return {"logits": torch.cat(logits, dim=1), "loss": loss.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+
+
 def reference_run(make_model, batch: dict):
     model = make_model()
     out = model(**batch, use_cache=False)

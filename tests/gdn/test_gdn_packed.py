@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from cp_harness import assert_equivalent, cp_outputs, rel
+from cp_harness import assert_equivalent, cp_outputs, each_document_alone, rel
 from gdn_harness import VOCAB, gdn_plan, gdn_wrapper, tiny_qwen3_5, use_reference_gdn, without_decay
 from dist_utils import run_distributed
 
@@ -43,19 +43,6 @@ def mixed_plan(world: int) -> dict:
     for i, method in enumerate(METHODS[1:], start=1):
         plan["plan_overrides"].append(dict(gdn, match=f"model.layers.{i}.linear_attn", inner_wrapper=gdn_wrapper(method)))
     return plan
-
-
-def each_document_alone(model, batch: dict, spans) -> dict:
-    targets = sum(b - a - 1 for a, b in spans)
-    logits, loss = [], 0.0
-    for a, b in spans:
-        out = model(input_ids=batch["input_ids"][:, a:b], labels=batch["labels"][:, a:b],
-                    num_items_in_batch=torch.tensor(targets), use_cache=False)
-        logits.append(out.logits.detach())
-        loss = loss + out.loss
-    loss.backward()
-    return {"logits": torch.cat(logits, dim=1), "loss": loss.detach(),
-            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
 
 
 def _errors(world: int, seed: int, dtype, checkpointed: bool = False) -> dict:

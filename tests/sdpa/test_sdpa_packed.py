@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from cp_harness import (
-    HEAD_TAIL_WRAPPER, VOCAB, assert_equivalent, cp_outputs, hybrid_wrapper, method_wrapper, rel, sdpa_plan, tiny_qwen3,
+    HEAD_TAIL_WRAPPER, VOCAB, assert_equivalent, cp_outputs, each_document_alone, hybrid_wrapper, method_wrapper, rel,
+    sdpa_plan, tiny_qwen3,
 )
 from dist_utils import run_distributed
 
@@ -37,25 +38,10 @@ def packed_batch(seed: int, length: int) -> tuple[dict, list[tuple[int, int]]]:
     return {"input_ids": ids, "labels": ids.clone(), "position_ids": positions}, spans
 
 
-def each_document_alone(make_model, batch: dict, spans) -> dict:
-    """The reference: the unrewritten model on every document by itself, one global mean loss."""
-    model = make_model()
-    targets = sum(b - a - 1 for a, b in spans)
-    logits, loss = [], 0.0
-    for a, b in spans:
-        out = model(input_ids=batch["input_ids"][:, a:b], labels=batch["labels"][:, a:b],
-                    num_items_in_batch=torch.tensor(targets), use_cache=False)
-        logits.append(out.logits.detach())
-        loss = loss + out.loss
-    loss.backward()
-    return {"logits": torch.cat(logits, dim=1), "loss": loss.detach(),
-            "grads": {n: p.grad for n, p in model.named_parameters()}}
-
-
 def _equivalence(rank: int, world: int, seed: int, method: str) -> dict:
     batch, spans = packed_batch(seed, 12 * world)
     make = lambda: tiny_qwen3(seed)
-    want = each_document_alone(make, batch, spans)
+    want = each_document_alone(make(), batch, spans)
     got = cp_outputs(make, batch, sdpa_plan(world, wrapper=METHODS[method][0]))
     return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]),
             "grads": {n: rel(got["grads"][n], g) for n, g in want["grads"].items()},
