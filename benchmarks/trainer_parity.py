@@ -11,6 +11,9 @@ The data are learnable text, not the examples' random token ids: README.md and d
 checkout, concatenated into a temporary file and read as `data.source: text` (blank-line separated
 documents, the trainer's byte tokenizer, so `model.vocab_size` becomes 257) with `data.packing: true`
 (full rows, no padding). Only the temporary copies change; the examples stay as CI uses them.
+The corpus is whatever those files hold at the time, so a record is tied to its checkout (the
+table gives the corpus size).
+
 Float32 differences grow with the steps (two exact algorithms round differently and Adam follows
 the gradients' signs), so the table is a record, judged at a loose `--rtol`, not a pass/fail test.
 """
@@ -32,9 +35,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cpcompile.trainer.compare import compare_configs  # noqa: E402
+from cpcompile.trainer.data import ByteTokenizer  # noqa: E402
 
 PAIR = ("parity_qwen3_5_fsdp_cp.yaml", "parity_qwen3_5_single.yaml")
-BYTE_VOCAB = 257  # ByteTokenizer: 256 bytes and the end-of-document id
+BYTE_VOCAB = ByteTokenizer.vocab_size  # 256 bytes and the end-of-document id: 257
 
 
 def _corpus(folder: str) -> str:
@@ -79,7 +83,8 @@ def main() -> None:
     header = [f"# Trainer loss parity: dp_shard 2 x cp 2 vs one process — {args.date}, {args.device}", "",
               f"Tiny Qwen3.5 ({PAIR[0]} vs {PAIR[1]}, vocab_size {BYTE_VOCAB}), {args.dtype}, {args.steps} steps, "
               f"AdamW (warmup 4, cosine), grad clip 1.0; data: README.md + docs/*.md ({corpus_bytes} bytes) as "
-              f"`data.source: text`, byte tokens, packed (ln {BYTE_VOCAB} = {math.log(BYTE_VOCAB):.3f}); `python benchmarks/trainer_parity.py --steps {args.steps} --dtype {args.dtype}` "
+              f"`data.source: text`, byte tokens, packed (ln {BYTE_VOCAB} = {math.log(BYTE_VOCAB):.3f}); "
+              f"`python benchmarks/trainer_parity.py --steps {args.steps} --dtype {args.dtype}` "
               f"({seconds:.0f} s).", "",
               f"Worst relative difference: loss {max(r['loss_rel'] for r in rows):.1e}, grad-norm "
               f"{max(r['grad_norm_rel'] for r in rows):.1e}; last loss A {rows[-1]['loss_a']:.6f}, "
