@@ -18,7 +18,7 @@ What a plan may *not* do, on purpose:
 with `inner_wrapper`); it resolves to a `CPMethod` of the `local` core (methods/local_compute.py).
 `region_dispatch` must be false, except for a local compute function declared without collectives.
 
-Other modules that read YAML the same way (`train.py`) use the public helpers `read_yaml`,
+Other modules that read YAML the same way (`trainer/config.py`) use the public helpers `read_yaml`,
 `reject_unknown_keys` and `check_size`, and `AcceleratorConfig.not_with_cp` for the
 parallelisms CP cannot be combined with.
 """
@@ -42,7 +42,6 @@ logger = logging.getLogger("cpcompile")
 
 TOP_LEVEL_KEYS = ("accelerator", "plan_overrides")
 SIZE_KEYS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "ep_size", "pp_size")
-DP_SIZE_KEYS = ("dp_replicate_size", "dp_shard_size")
 NOT_WITH_CP = ("pp_size", "ep_size")  # parallelisms cpcompile cannot combine with CP yet
 FLAG_KEYS = ("sequence_parallel", "loss_parallel")
 LEGACY_CP_KEYS = ("algorithm", "schedule", "ulysses_degree", "load_balance", "async_fallback")
@@ -95,12 +94,10 @@ class AcceleratorConfig:
             f"dp_shard({self.dp_shard_size}) x cp({self.cp_size}) x tp({self.tp_size}) = {self.world_size}"
         )
 
-    def not_with_cp(self, *, include_dp: bool = False) -> list[tuple[str, int]]:
+    def not_with_cp(self) -> list[tuple[str, int]]:
         """(field, size) of every parallelism set beside CP that cannot run with it: PP and EP
-        (`compile` refuses them); `include_dp` adds the data- and tensor-parallel sizes, for
-        `cpcompile train`, whose loop runs context parallelism only."""
-        keys = (DP_SIZE_KEYS + ("tp_size",) if include_dp else ()) + NOT_WITH_CP
-        return [(key, getattr(self, key)) for key in keys if getattr(self, key) > 1]
+        (`compile` and `cpcompile train` refuse them)."""
+        return [(key, getattr(self, key)) for key in NOT_WITH_CP if getattr(self, key) > 1]
 
     def validate(self) -> "AcceleratorConfig":
         for key in SIZE_KEYS:
