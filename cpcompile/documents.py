@@ -54,10 +54,15 @@ def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: i
     if bounds.numel() < 2 or bounds[0] != 0 or bounds[-1] != seq_len or bool((bounds[1:] <= bounds[:-1]).any()):
         raise CPInputError(f"shard_batch: 'cu_seq_lens' must rise strictly from 0 to the sequence length {seq_len}, "
                            f"got {bounds.tolist()[:8]}{'...' if bounds.numel() > 8 else ''}")
-    positions = torch.arange(seq_len, device=bounds.device)
-    starts = torch.zeros(seq_len, dtype=torch.long, device=bounds.device)
-    starts[bounds[:-1]] = bounds[:-1]
-    return (positions - starts.cummax(0).values).unsqueeze(0)
+    starts = torch.zeros(seq_len, dtype=torch.bool, device=bounds.device)
+    starts[bounds[:-1]] = True
+    return positions_from_starts(starts).unsqueeze(0)
+
+
+def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
+    """Each token's position inside its document, from a `[S]` bool of document starts (`starts[0]` set)."""
+    index = torch.arange(starts.numel(), device=starts.device)
+    return index - torch.where(starts, index, 0).cummax(0).values
 
 
 def is_packed(position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool:

@@ -154,7 +154,7 @@ class GdnRegion:
         return (hidden,), {"attention_mask": mask}
 
     # The layer's call has no position ids (the decoder layer keeps them): the compiled model hands
-    # a packed batch's to the region as `document_positions` (`pipeline.DocumentFeed`).
+    # a packed batch's to the region as `document_positions` (`documents.DocumentFeed`).
     reads_documents = True
 
     def forward(self, layer: nn.Module, hidden_states: torch.Tensor, attention_mask: Any = None,

@@ -22,6 +22,7 @@ synchronous.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 from pathlib import Path
@@ -141,6 +142,7 @@ def unwrapped_target(node: fx.Node):
     return inner.target
 
 
+@functools.cache
 def _source_digest() -> str:
     """Inductor's FX-graph cache keys a custom pass by its uuid: the code that decides the order."""
     here = Path(__file__).resolve().parent

@@ -2,7 +2,7 @@
 
 - `config`: the YAML (model, train, optimizer, data, checkpoint + the CP plan), field-path errors;
 - `data`: the global token stream, split over data-parallel replicas;
-- `parallelize`: the model, then CP rewrite, activation checkpointing, FSDP2 over dp_shard x cp;
+- `parallelize`: the model, then TP, CP rewrite, activation checkpointing, torch.compile, FSDP2 over dp_shard x cp;
 - `checkpoint`: DCP save / resume;
 - `loop`: the step and the run (`train`, `dry_run`);
 - `metrics`: step lines, JSONL, summary, non-finite stop, plots;

@@ -33,6 +33,7 @@ import json
 import torch
 
 from ..batch import IGNORE_INDEX
+from ..documents import positions_from_starts
 from ..errors import PlanError
 from .config import DataSettings, TrainSettings
 
@@ -148,8 +149,3 @@ def _concatenate(documents: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor
     starts[torch.tensor([0] + [len(doc) for doc in documents[:-1]]).cumsum(0)] = True
     return tokens, starts
 
-
-def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:
-    """Each token's position inside its document, from a [S] bool of document starts (starts[0] set)."""
-    index = torch.arange(starts.numel())
-    return index - torch.where(starts, index, 0).cummax(0).values

@@ -31,7 +31,7 @@ from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
 from . import checkpoint
-from .config import TrainConfig, TrainSettings
+from .config import DTYPES, TrainConfig, TrainSettings
 from .data import TokenStream
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
 from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, build_model,
@@ -284,7 +284,7 @@ def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str,
     activations (one hidden state per layer with activation checkpointing, ~16 per layer without);
     the logits and their float32 loss copies."""
     settings, accelerator = config.train, config.plan.accelerator
-    element = torch.empty((), dtype=getattr(torch, settings.dtype)).element_size()
+    element = torch.empty((), dtype=DTYPES[settings.dtype]).element_size()
     shards = accelerator.dp_shard_size * accelerator.cp_size
     text = model_config.get_text_config()
     tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
