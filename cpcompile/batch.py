@@ -286,7 +286,7 @@ def shard_batch(
     or ``cu_seq_lens`` with one row (turned into such position ids). The last token of every
     document predicts nothing (its ``shift_labels`` entry is -100), documents may cross rank
     boundaries, the SDPA rewrites attend within documents only and the GDN rewrites reset their state
-    at every document start (eager backend; triton GDN plans refuse them), and a packed batch cannot
+    at every document start (both GDN backends), and a packed batch cannot
     also carry padding.
 
     Head-Tail, or a packed batch, without a user mask gets an all-ones ``attention_mask`` when
@@ -313,8 +313,6 @@ def shard_batch(
     if "position_ids" not in fields:
         fields["position_ids"] = torch.arange(seq_len, device=main.device).unsqueeze(0).expand(bsz, -1)
     packed = is_packed(fields["position_ids"], mask)
-    if packed:
-        _check_packing_supported(plan, cp_size)
 
     num_items = global_batch.get("num_items_in_batch")
     if "labels" in fields or "shift_labels" in fields:
@@ -359,19 +357,6 @@ def shard_batch(
         mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
         mark_packed(local["position_ids"], packed)
     return local
-
-
-def _check_packing_supported(plan: Any, cp_size: int) -> None:
-    """Packed documents reach the SDPA rewrites through the attention's position ids, and the GDN
-    rewrites through the compiled model (`documents.DocumentFeed`); the triton GDN kernels cannot
-    reset their state at document starts yet, so a plan using them refuses packed batches."""
-    if cp_size == 1 or plan is None:
-        return
-    gdn = [o for o in _as_plan(plan).active_overrides()
-           if o.method is not None and o.method.core == "gdn" and o.method.params.get("backend") != "eager"]
-    if gdn:
-        raise CPInputError(f"shard_batch: packed documents are not supported by the triton GDN backend yet "
-                           f"({gdn[0].field('inner_wrapper')}: {gdn[0].method.describe()}); use backend='eager'")
 
 
 def _pad_fields(fields: dict[str, torch.Tensor], extra: int, pad_token_id: int) -> dict[str, torch.Tensor]:

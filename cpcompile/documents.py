@@ -45,14 +45,15 @@ class DocumentFeed:
         self.positions = position_ids if packed else None
 
 
-def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
+def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int,
+                               caller: str = "shard_batch: 'cu_seq_lens'") -> torch.Tensor:
     """`[1, S]` position ids restarting at each document start of `cu_seq_lens`."""
     bounds = torch.as_tensor(cu_seq_lens).flatten().long()
     if batch != 1:
-        raise CPInputError(f"shard_batch: 'cu_seq_lens' describes one packed row, but the batch has {batch} rows; "
+        raise CPInputError(f"{caller} describes one packed row, but the batch has {batch} rows; "
                            "pass position_ids restarting at 0 at each document instead")
     if bounds.numel() < 2 or bounds[0] != 0 or bounds[-1] != seq_len or bool((bounds[1:] <= bounds[:-1]).any()):
-        raise CPInputError(f"shard_batch: 'cu_seq_lens' must rise strictly from 0 to the sequence length {seq_len}, "
+        raise CPInputError(f"{caller} must rise strictly from 0 to the sequence length {seq_len}, "
                            f"got {bounds.tolist()[:8]}{'...' if bounds.numel() > 8 else ''}")
     starts = torch.zeros(seq_len, dtype=torch.bool, device=bounds.device)
     starts[bounds[:-1]] = True

@@ -7,8 +7,8 @@ gradients are the rank's share, summed by FSDP2), backward, the global gradient 
 with `train.grad_clip`), AdamW, the LR schedule. Global rank 0 logs.
 
 With `data.packing`, the rows carry `position_ids` restarting per document: `shard_batch` ends the
-labels at document ends and hands the documents to the rewritten regions; a plan that cannot run
-them (triton GDN) refuses the first batch, sharded while the trainer is built, before step 1.
+labels at document ends and hands the documents to the rewritten regions (SDPA, and GDN on either
+backend).
 """
 from __future__ import annotations
 

@@ -69,13 +69,13 @@ def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool
     with the `backend` core (the same algorithm as the rewritten layers); -> how many.
 
     With `packing`, those layers reset their state and conv at every document start, read from the
-    model call's `position_ids` (a GDN layer's own call lacks them): only the eager core can, and
-    transformers' path (no `backend`) would run across documents, so both are refused here."""
+    model call's `position_ids` (a GDN layer's own call lacks them); transformers' path (no
+    `backend`) would run across documents, so it is refused here."""
     layers = [m for m in model.modules() if is_gdn_layer(m) and not hasattr(m, REWRITTEN_MARK)]
-    if packing and layers and backend != "eager":
+    if packing and layers and backend is None:
         raise PlanError("train.gdn_backend", f"data.packing: {len(layers)} GDN layer(s) run outside CP, and "
-                                             f"only cpcompile's eager GDN core resets its state at document "
-                                             f"starts; set gdn_backend: eager (got {backend})")
+                                             f"transformers' GDN path does not reset its state at document "
+                                             f"starts; set gdn_backend: eager or triton")
     if backend is None:
         return 0
     documents = _DocumentPositions(model) if packing else None

@@ -268,14 +268,9 @@ def _gdn_override(backend: str):
                                                       params={"backend": backend, "chunk_size": 64}))
 
 
-def test_triton_gdn_plans_refuse_packed_documents():
-    with pytest.raises(CPInputError, match="packed documents.*triton GDN"):
-        shard_batch({**_batch(1, 12), "position_ids": torch.tensor(PACKED)}, _mesh(2, 0),
-                    _plan(CONTIGUOUS, 2, extra=[_gdn_override("triton")]))
-
-
-def test_eager_gdn_plans_take_packed_documents_and_mark_them():
-    plan = _plan(CONTIGUOUS, 2, extra=[_gdn_override("eager")])
+@pytest.mark.parametrize("backend", ["eager", "triton"])
+def test_gdn_plans_take_packed_documents_and_mark_them(backend):
+    plan = _plan(CONTIGUOUS, 2, extra=[_gdn_override(backend)])
     packed = shard_batch({**_batch(1, 12), "position_ids": torch.tensor(PACKED)}, _mesh(2, 1), plan)
     plain = shard_batch(_batch(1, 12), _mesh(2, 1), plan)
     assert packed["position_ids"]._cpcompile_packed and not plain["position_ids"]._cpcompile_packed

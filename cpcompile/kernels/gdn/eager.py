@@ -145,7 +145,7 @@ def _prepare(
     return _HeadMajor(q, k, v, g.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2))
 
 
-def _check_starts(starts: Tensor | None, g: Tensor) -> None:
+def check_starts(starts: Tensor | None, g: Tensor) -> None:
     if starts is not None and (starts.dtype != torch.bool or tuple(starts.shape) != tuple(g.shape[:2])):
         raise CPInputError(f"starts must be a bool [B, T] = {tuple(g.shape[:2])} tensor of document starts; "
                            f"got {starts.dtype} {tuple(starts.shape)}")
@@ -188,7 +188,7 @@ def naive_recurrent_gated_delta_rule(
     before such a token is read or written.
     """
     _check_inputs(q, k, v, g, beta, initial_state)
-    _check_starts(starts, g)
+    check_starts(starts, g)
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
     x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
     state = _initial_state(initial_state, x.k, x.v.shape[-1])
@@ -358,7 +358,7 @@ def chunk_gated_delta_rule_eager(
     packed documents' first tokens, where the state resets (None: one document, the plain path).
     """
     _check_inputs(q, k, v, g, beta, initial_state)
-    _check_starts(starts, g)
+    check_starts(starts, g)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
     x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
@@ -396,7 +396,7 @@ def gdn_segment_summary(
     is the state after the last start: the entering state reaches nothing beyond it.
     """
     _check_inputs(None, k, v, g, beta, None)
-    _check_starts(starts, g)
+    check_starts(starts, g)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(k, v, g, beta)
     x = _prepare(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)

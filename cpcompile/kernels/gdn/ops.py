@@ -8,7 +8,7 @@
 q and k arrive already L2-normalised (the layer does that in the graph), g is the log decay,
 beta the write strength; layouts as in `cpcompile.kernels.gdn.eager`. `starts [B, T]` (bool, or
 None for one document per row) marks the first tokens of packed documents, where the state resets
-(eager backend). Each op has a fake
+(both backends; State-P2P on triton takes them as gates, `passes/gdn/p2p.py`). Each op has a fake
 implementation and an autograd formula (a backward op), so graphs holding them export, compile
 and differentiate like ATen ops.
 
@@ -57,17 +57,12 @@ def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
-def _check_starts_backend(starts: Tensor | None, backend: str) -> None:
-    if starts is not None and backend != "eager":
-        raise CPInputError(f"packed documents (starts) run on the eager GDN backend only, got {backend!r}")
-
-
 @without_autocast  # the kernels keep their state and decay in fp32 (`eager.compute_dtype`)
 def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None) -> Tensor:
     check_backend(backend)
-    _check_starts_backend(starts, backend)
+    eager.check_starts(starts, g)
     if backend == "triton":
-        return _triton().chunk_forward(q, k, v, g, beta, initial_state, scale, chunk_size)
+        return _triton().chunk_forward(q, k, v, g, beta, initial_state, scale, chunk_size, starts)
     out, _ = eager.chunk_gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
                                                 initial_state=initial_state, starts=starts)
     return out.contiguous()  # the fake implementation promises a contiguous result
@@ -128,7 +123,7 @@ def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
 
 @gdn_chunk.register_fake
 def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None):
-    _check_starts_backend(starts, backend)
+    eager.check_starts(starts, g)
     if backend == "triton":
         _check_triton(q, k, v, g, beta, initial_state, chunk_size)
     return v.new_empty(v.shape, dtype=q.dtype)
@@ -139,8 +134,8 @@ def gdn_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Ten
                        initial_state: Tensor | None, scale: float, chunk_size: int,
                        backend: str, starts: Tensor | None = None) -> list[Tensor]:
     if backend == "triton":
-        _check_starts_backend(starts, backend)
-        return _contiguous(_triton().chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size))
+        return _contiguous(_triton().chunk_backward(grad_out, q, k, v, g, beta, initial_state, scale, chunk_size,
+                                                    starts))
 
     def forward(q, k, v, g, beta, h0):
         return _chunk(q, k, v, g, beta, h0, scale, chunk_size, backend, starts)

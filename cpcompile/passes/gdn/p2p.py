@@ -4,7 +4,9 @@ gradient chain P−1 → 0); the core then runs with that state.
 
 With the triton backend the whole rank-local P2P — summary, point-to-point state exchange with the
 ring neighbours, output, and the two-phase backward — is one `cpcompile::gdn_p2p_chunk` node (why:
-`kernels/gdn/ops.py`).
+`kernels/gdn/ops.py`). Packed documents reach it as gates (`common.reset_decay_at_starts`, a graph
+node before it): a start cuts the state there, so a segment with a start has M ~ 0 and passes on
+only the state after its last start, and no state gradient crosses the start backwards.
 """
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...kernels.gdn.common import reset_decay_at_starts
 from ...methods import register_method
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter
@@ -45,7 +48,10 @@ def rewrite_p2p(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
 
 def rewrite_p2p_triton(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
     emit = Emitter(gm.graph, match.node, PASS)
-    fused = emit.core(GDN_P2P_CHUNK, *match.inputs, match.scale, match.chunk_size, ctx.group_name, ctx.cp_rank, ctx.cp_size)
+    q, k, v, g, beta = match.inputs
+    if match.starts is not None:
+        g = emit(reset_decay_at_starts, g, match.starts)
+    fused = emit.core(GDN_P2P_CHUNK, q, k, v, g, beta, match.scale, match.chunk_size, ctx.group_name, ctx.cp_rank, ctx.cp_size)
     match.replace_with(gm, emit(operator.getitem, fused, 0))
     note_once(ctx, f"state chain: inside cpcompile::gdn_p2p_chunk (isend/irecv of one fp32 state per step, "
                    f"{ctx.cp_size - 1} steps forward and backward)")
