@@ -7,10 +7,11 @@ in its document + 1 (query-key pairs; the kernels skip the rest). For documents 
 several length mixes, the table gives each layout's busiest rank over the mean (1.00 = perfectly
 balanced; the step waits for the busiest rank), each the worst of 20 random packings:
 - contiguous blocks (AllGather, Ulysses' input split);
-- Head-Tail over the packed sequence (rank r holds chunks r and 2·cp−1−r), what cpcompile runs;
-- per-document Head-Tail (every document cut into 2·cp pieces, rank r holds pieces r and
-  2·cp−1−r of each): not built, shown as the target (ranks would hold unequal token counts
-  when a document's length is not a multiple of 2·cp).
+- Head-Tail over the packed sequence (rank r holds chunks r and 2·cp−1−r), what cpcompile ran on
+  packed batches before per-document Head-Tail;
+- per-document Head-Tail, what `shard_batch` now does with a packed batch under a Head-Tail plan:
+  the token order of `cpcompile.documents.per_document_head_tail` itself (every document cut into
+  2·cp pieces, rank r holds pieces r and 2·cp−1−r of each, S/cp tokens per rank).
 Ulysses itself computes whole documents on a share of the heads and is balanced by construction.
 """
 from __future__ import annotations
@@ -55,8 +56,10 @@ def rank_work(positions: torch.Tensor, cp: int, layout: str) -> torch.Tensor:
         return work.view(cp, -1).sum(1)
     if layout == "head_tail":
         return head_tail_work(work, cp)
-    starts = (positions == 0).nonzero().flatten().tolist() + [positions.numel()]
-    return sum(head_tail_work(work[a:b], cp) for a, b in zip(starts[:-1], starts[1:]))
+    from cpcompile.documents import per_document_head_tail
+
+    order = per_document_head_tail(positions[None], cp)[0]
+    return work[order].view(cp, -1).sum(1)
 
 
 def head_tail_work(work: torch.Tensor, cp: int) -> torch.Tensor:

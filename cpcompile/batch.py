@@ -23,7 +23,10 @@ from typing import Any, Mapping, NamedTuple
 
 import torch
 
-from .documents import end_documents, is_packed, mark_packed, positions_from_cu_seq_lens
+from .documents import (
+    GLOBAL_POSITIONS, TOKEN_ORDER, end_documents, is_packed, mark_packed, per_document_head_tail,
+    positions_from_cu_seq_lens,
+)
 from .errors import CPConfigError, CPInputError
 from .methods import CONTIGUOUS, HEAD_TAIL
 from .plan import load_plan
@@ -340,10 +343,14 @@ def shard_batch(
 
     local: dict[str, Any] = {}
     index = local_indices(seq_len, cp_size, cp_rank, layout) if cp_size > 1 else None
+    order = None
+    if index is not None and layout == HEAD_TAIL and packed:  # each document cut into head and tail pieces
+        order = per_document_head_tail(fields["position_ids"], cp_size)
+        index = order[:, cp_rank * (seq_len // cp_size):(cp_rank + 1) * (seq_len // cp_size)]
+    _note_head_tail_order(layout, order is not None)
     for key, tensor in fields.items():
         if index is not None:
-            dim = _SEQ_DIM[key] % tensor.dim()
-            tensor = tensor.index_select(dim, index.to(tensor.device))
+            tensor = _take_tokens(tensor, _SEQ_DIM[key] % tensor.dim(), index.to(tensor.device))
         local[key] = tensor
     if (layout == HEAD_TAIL or packed) and cp_size > 1 and "attention_mask" not in local:
         local["attention_mask"] = torch.ones(bsz, seq_len // cp_size, dtype=torch.long, device=main.device)
@@ -356,7 +363,31 @@ def shard_batch(
     if index is not None:
         mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
         mark_packed(local["position_ids"], packed)
+    if order is not None:
+        setattr(local["position_ids"], GLOBAL_POSITIONS, index.to(main.device))
+        setattr(local["position_ids"], TOKEN_ORDER, order)
     return local
+
+
+def _take_tokens(tensor: torch.Tensor, dim: int, index: torch.Tensor) -> torch.Tensor:
+    """The tokens at `index` along the sequence dim `dim`: one index for every row (`[S_local]`),
+    or one per row (`[1 or B, S_local]`, per-document Head-Tail; the batch dim is 0)."""
+    if index.dim() == 1:
+        return tensor.index_select(dim, index)
+    rows = index.expand(tensor.shape[0], -1)
+    rows = rows.reshape(*rows.shape, *([1] * (tensor.dim() - 2))).expand(*rows.shape, *tensor.shape[2:])
+    return tensor.gather(dim, rows)
+
+
+# Whether the latest Head-Tail batch `shard_batch` made in this process was cut per document, so
+# that `unshard` without that batch refuses rather than restore another order.
+_head_tail_per_document = False
+
+
+def _note_head_tail_order(layout: str, per_document: bool) -> None:
+    global _head_tail_per_document
+    if layout == HEAD_TAIL:
+        _head_tail_per_document = per_document
 
 
 def _pad_fields(fields: dict[str, torch.Tensor], extra: int, pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -383,24 +414,37 @@ def _cp_process_group(mesh: Any):
     return group
 
 
-def unshard(local_tensor: torch.Tensor, mesh: Any, plan: Any, *, seq_dim: int = 1) -> torch.Tensor:
+def unshard(local_tensor: torch.Tensor, mesh: Any, plan: Any, *, seq_dim: int = 1,
+            batch: Mapping[str, Any] | None = None) -> torch.Tensor:
     """All-gather `local_tensor` over the CP group along `seq_dim` and put it back in global order.
 
     Differentiable: backward sums each rank's gradient of the gathered tensor back onto the
     owning rank's slice (all-gather <-> reduce-scatter). Padding added by ``shard_batch(pad=True)``
     is not removed. At cp=1 the tensor is returned as is.
+
+    A packed batch under Head-Tail is cut per document, so its token order depends on the batch:
+    pass the local ``batch`` `shard_batch` returned for it (the batch dim must then be dim 0).
+    Without it, after such a batch, `unshard` refuses (`CPInputError`) rather than guess.
     """
     cp_size, _, layout = _batch_layout(mesh, plan)
     if cp_size == 1:
         return local_tensor
+    order = getattr(batch.get("position_ids"), TOKEN_ORDER, None) if batch is not None else None
+    if order is not None and seq_dim % local_tensor.dim() != 1:
+        raise CPInputError(f"unshard: a batch cut per document is restored along dim 1 (batch first), got seq_dim={seq_dim}")
+    if order is None and layout == HEAD_TAIL and _head_tail_per_document and batch is None:
+        raise CPInputError("unshard: the latest Head-Tail batch was packed, and cut per document, so its token order "
+                           "depends on the batch: pass the local batch shard_batch returned, unshard(..., batch=local)")
     from .collectives import ALL_GATHER, WAIT
 
     seq_dim = seq_dim % local_tensor.dim()
     # The functional all-gather concatenates along dim 0 in rank order; its autograd twin
     # reduce-scatters the gradient back (gloo included).
     leading = local_tensor.movedim(seq_dim, 0).contiguous()
-    gathered = WAIT(ALL_GATHER(leading, cp_size, _cp_process_group(mesh).group_name))
-    return restore_order(gathered.movedim(0, seq_dim), cp_size, layout, seq_dim=seq_dim)
+    gathered = WAIT(ALL_GATHER(leading, cp_size, _cp_process_group(mesh).group_name)).movedim(0, seq_dim)
+    if order is not None:  # rank-major -> global: the rank-major slot of every global position
+        return _take_tokens(gathered, seq_dim, torch.argsort(order, dim=1).to(gathered.device))
+    return restore_order(gathered, cp_size, layout, seq_dim=seq_dim)
 
 
 # ----------------------------------------------------------------------------- the layout a batch was sliced for

@@ -21,6 +21,11 @@ from .errors import CPInputError
 
 IGNORE_INDEX = -100
 PACKED_MARK = "_cpcompile_packed"  # set by `shard_batch` on the local position ids
+# set by `shard_batch` on the local position ids of a per-document Head-Tail batch: the global
+# positions of the rank's tokens `[1 or B, S_local]`, which that layout's order leaves to the data
+GLOBAL_POSITIONS = "_cpcompile_global_positions"
+TOKEN_ORDER = "_cpcompile_token_order"  # beside it: every rank's, `[1 or B, S]` rank-major (for `unshard`)
+QUERY_POSITIONS = "cp_query_positions"  # the call argument that hands the former to a Head-Tail SDPA region
 
 
 def mark_packed(position_ids: torch.Tensor, packed: bool) -> None:
@@ -30,7 +35,9 @@ def mark_packed(position_ids: torch.Tensor, packed: bool) -> None:
 
 class DocumentFeed:
     """The position ids of the compiled model's current call when its batch is packed (None when
-    not), for regions whose own call lacks them (GDN). Set by the model's pre-hook on every call.
+    not), for regions whose own call lacks them (GDN), and the global positions of a per-document
+    Head-Tail batch's tokens (None for any other), for the Head-Tail SDPA regions. Set by the
+    model's pre-hook on every call.
 
     Only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must hold the
     plain global positions of this rank's slice, which `batch.LayoutGuard` checks on every call of
@@ -39,10 +46,45 @@ class DocumentFeed:
 
     def __init__(self) -> None:
         self.positions: torch.Tensor | None = None
+        self.global_positions: torch.Tensor | None = None
 
     def update(self, position_ids: torch.Tensor | None) -> None:
         packed = position_ids is not None and getattr(position_ids, PACKED_MARK, False)
         self.positions = position_ids if packed else None
+        self.global_positions = getattr(position_ids, GLOBAL_POSITIONS, None) if packed else None
+
+
+def per_document_head_tail(position_ids: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """`[R, S]` global token indices of each row of packed `position_ids [R, S]` in rank-major order
+    (rank 0's S/cp tokens, then rank 1's, ...), each rank's in global order: per-document Head-Tail.
+
+    Every document is cut into 2·cp pieces, and piece j goes to rank j (j < cp) or 2·cp−1−j, so
+    every rank holds an early and a late piece of every document and does the same causal work on
+    it. Piece lengths differ by at most one: a document's n mod 2·cp extra tokens go to the next
+    slots of one counter running over the whole row, so each slot gets the same number of extras
+    and every rank the same S/cp tokens (S is a multiple of 2·cp). One document is plain Head-Tail.
+    """
+    rows = [_head_tail_row(row, cp_size) for row in position_ids.reshape(-1, position_ids.shape[-1])]
+    return torch.stack(rows)
+
+
+def _head_tail_row(positions: torch.Tensor, cp_size: int) -> torch.Tensor:
+    pieces, length = 2 * cp_size, positions.numel()
+    starts = positions == 0
+    document = starts.cumsum(0) - 1                                   # [S]: each token's document
+    first = starts.nonzero().flatten()
+    lengths = torch.diff(first, append=first.new_tensor([length]))
+    base, rest = lengths // pieces, lengths % pieces
+    first_extra = (rest.cumsum(0) - rest) % pieces                    # the counter where each document's extras start
+    slots = torch.arange(pieces, device=positions.device)
+    extra = (slots[None, :] - first_extra[:, None]) % pieces < rest[:, None]
+    piece_ends = (base[:, None] + extra.long()).cumsum(1)            # [D, 2cp]: within the document
+    piece = (positions[:, None] >= piece_ends[document]).sum(1)       # [S]: each token's piece
+    owner = torch.where(piece < cp_size, piece, pieces - 1 - piece)
+    if not bool((torch.bincount(owner, minlength=cp_size) == length // cp_size).all()):
+        raise CPInputError(f"shard_batch: per-document Head-Tail could not give {cp_size} ranks {length // cp_size} "
+                           f"tokens each (sequence length {length} must be a multiple of {pieces})")
+    return torch.sort(owner, stable=True).indices
 
 
 def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int,

@@ -15,7 +15,7 @@ from .agreement import ITEM_SEPARATOR, agree, plan_fields
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
-from .documents import DocumentFeed
+from .documents import QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
@@ -85,7 +85,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     schedule_async_backward(mesh, overrides)
-    reads_documents = any(installed.reads_documents for installed in installs)
+    reads_documents = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
     guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_documents)
     install_layout_guard(model, guard, documents)
     return model
@@ -234,8 +234,10 @@ class InstalledRegion:
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
             self.region.bind(target, mesh)
-        # a region whose call lacks the position ids (GDN) takes a packed batch's from the model's hook
+        # a region whose call lacks the position ids (GDN) takes a packed batch's from the model's hook,
+        # and a Head-Tail SDPA region the global positions of a batch cut per document
         self.reads_documents = getattr(self.region, "reads_documents", False)
+        self.reads_global_positions = getattr(self.region, "reads_global_positions", False)
         self.documents = documents or DocumentFeed()
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
@@ -258,6 +260,8 @@ class InstalledRegion:
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
             kwargs = {**kwargs, "document_positions": self.documents.positions}
+        if self.reads_global_positions:
+            kwargs = {**kwargs, QUERY_POSITIONS: self.documents.global_positions}
         return args, kwargs
 
     def __call__(self, *args, **kwargs):

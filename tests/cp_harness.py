@@ -187,7 +187,7 @@ def cp_outputs(make_model, batch: dict, plan: dict, *, compile_backend=None, tra
     loss = out.loss.detach().clone()
     torch.distributed.all_reduce(loss, group=mesh.cp_group)
     return {
-        "logits": cpcompile.unshard(out.logits.detach(), mesh, plan),
+        "logits": cpcompile.unshard(out.logits.detach(), mesh, plan, batch=local),
         "loss": loss,
         "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None},
         "compiled": any(hasattr(m, "_cpcompile_config") for m in model.modules()),

@@ -11,14 +11,24 @@ from typing import Any
 from torch import nn
 
 from ..context import DeclaredAttention
+from ..documents import QUERY_POSITIONS
 from ..errors import CPInputError
-from ..methods import AdapterSpec, register_adapter
+from ..methods import HEAD_TAIL, AdapterSpec, register_adapter
 
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 SLIDING_LAYER = "sliding_attention"  # transformers' `config.layer_types` entry for a windowed layer
 
 
 class SdpaRegion:
+    """A Head-Tail region (`per_document`) takes one more call argument, `cp_query_positions`: the
+    global positions of the rank's tokens when the batch is packed, and so cut per document
+    (`documents.per_document_head_tail`; None otherwise). The compiled model's hook hands it over
+    (`documents.DocumentFeed`); the module never sees it: it stays a graph input for the rewrite
+    (`passes/sdpa/head_tail.py`)."""
+
+    def __init__(self, per_document: bool = False):
+        self.reads_global_positions = per_document
+
     def prepare_call(self, fqn: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for name in CACHE_KWARGS:
             if kwargs.get(name) is not None:
@@ -30,6 +40,7 @@ class SdpaRegion:
         return args, kwargs
 
     def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        kwargs.pop(QUERY_POSITIONS, None)
         # the class's forward: the instance's may already be cpcompile's replacement
         return type(module).forward(module, *args, **kwargs)
 
@@ -71,4 +82,4 @@ def _positive_int(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
 
 
-register_adapter(AdapterSpec("sdpa", core="sdpa", region=lambda method: SdpaRegion()))
+register_adapter(AdapterSpec("sdpa", core="sdpa", region=lambda method: SdpaRegion(method.layout == HEAD_TAIL)))

@@ -65,7 +65,13 @@ def _all_local(batch, cp, layout, **kw):
 
 
 def _reassemble(locals_, key, cp, layout):
-    return restore_order(torch.cat([loc[key] for loc in locals_], dim=1), cp, layout)
+    """The global tensor back from every rank's local one (a packed Head-Tail batch: by its marked
+    global positions, as it is cut per document)."""
+    gathered = torch.cat([loc[key] for loc in locals_], dim=1)
+    positions = [getattr(loc["position_ids"], "_cpcompile_global_positions", None) for loc in locals_]
+    if positions[0] is None:
+        return restore_order(gathered, cp, layout)
+    return gathered.gather(1, torch.argsort(torch.cat(positions, dim=1), dim=1).expand_as(gathered))
 
 
 # ----------------------------------------------------------------------------- pure layout helpers

@@ -141,6 +141,66 @@ def test_flex_block_mask_matches_its_elements(layout, causal, padded, documents)
     assert (tiles(True).all(4).all(2) | ~full).all(), "a block listed as full is not fully visible"
 
 
+def rising_positions(batch: int, q_len: int, s_kv: int, seed: int = 2) -> torch.Tensor:
+    """`[B, S_q]` global query positions, a different rising subset of `0..S_kv-1` per row (the
+    shape of per-document Head-Tail: pieces of many documents)."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(s_kv, generator=gen)[:q_len].sort().values for _ in range(batch)])
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("q_len, s_kv", [(32, 64), (600, 1280)])
+def test_query_positions_match_oracle(q_len, s_kv, causal):
+    """Queries at data-dependent positions (per row): the tiled kernel, forward and backward, equals
+    the oracle in float64; several tiles of 512 rows at the larger shape."""
+    q, k, v = _inputs(2, 4, 2, q_len, s_kv, 8, torch.float64)
+    tags = random_tags(2, s_kv, padded=False, documents=True)
+    positions = rising_positions(2, q_len, s_kv)
+
+    def run(q, k, v):
+        return local_attention(q, k, v, tags, [0], causal, 0.3, "cpu_flash", "cpu_flash", positions)
+
+    _check(run, lambda q, k, v: naive_attention(q, k, v, [0], causal=causal, key_tags=tags, scale=0.3,
+                                                query_positions=positions), q, k, v, 1e-12)
+    tiled = torch.ops.cpcompile.tiled_attention.default
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(tiled, (*leaves, tags, [0], causal, 0.3, "cpu_flash", positions))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flex_block_mask_with_query_positions(causal):
+    """The block table for queries at data-dependent positions lists every block holding a visible
+    element, lists as full only fully visible blocks, and its mask function is the oracle's."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    from cpcompile.kernels.attention.flex import block_mask
+    from cpcompile.kernels.attention.layout import query_documents, visible
+
+    q_len, s_kv = 384, 1000
+    tags = random_tags(2, s_kv, padded=False, documents=True)
+    tags[0, 300:700] = tags[0, 300]  # one long document: full blocks exist
+    positions = rising_positions(2, q_len, s_kv)
+    positions[0] = torch.arange(300, 300 + q_len)  # row 0: queries inside the long document
+    mask = block_mask(tags, [0], q_len, causal, positions)
+    want = visible(tags, query_documents(tags, positions), positions, s_kv, causal)[:, None]
+    assert torch.equal(create_mask(mask.mask_mod, 2, 1, q_len, s_kv, device="cpu"), want)
+    padded = torch.nn.functional.pad(want[:, 0], (0, -s_kv % 128, 0, -q_len % 128), value=True)
+    blocks = padded.unflatten(2, (-1, 128)).unflatten(1, (-1, 128))  # [B, nq, 128, nk, 128]
+    listed = mask.to_dense()[:, 0].bool()
+    assert (listed | ~want_blocks(want, q_len, s_kv)).all(), "a block with a visible element is not listed"
+    for b in range(2):
+        for i in range(listed.shape[1]):
+            full = mask.full_kv_indices[b, 0, i, :mask.full_kv_num_blocks[b, 0, i]].long()
+            assert blocks[b, i][:, full].all(), "a block listed as full is not fully visible"
+    assert mask.full_kv_num_blocks[0].sum() > 0, "no full block found in the long document"
+
+
+def want_blocks(want: torch.Tensor, q_len: int, s_kv: int) -> torch.Tensor:
+    """`[B, nq, nk]`: which 128 x 128 blocks of a `[B, 1, S_q, S_kv]` visibility hold a visible element."""
+    padded = torch.nn.functional.pad(want[:, 0], (0, -s_kv % 128, 0, -q_len % 128), value=False)
+    return padded.unflatten(2, (-1, 128)).unflatten(1, (-1, 128)).any(4).any(2)
+
+
 def test_unequal_chunks_are_refused():
     q, k, v = _inputs(1, 2, 2, 15, 30, 8, torch.float32)
     with pytest.raises(ValueError, match="equal chunks"):

@@ -4,7 +4,10 @@ A packed row holds documents of odd lengths — one of a single token, several c
 boundaries — marked by position ids restarting at 0. Every method at CP=2 and 4 (Hybrid at 4)
 equals the unrewritten model run on each document separately: logits, the global mean loss
 (each document's last token predicting nothing) and every parameter gradient, fp32 ≤ 1e-5. And
-a token moved in one document changes nothing in the logits of the others.
+a token moved in one document changes nothing in the logits of the others. Head-Tail cuts a packed
+batch per document (`documents.per_document_head_tail`): two rows with different documents equal
+the rows' documents run alone, through the per-document path, and the same compiled model still
+runs an unpacked batch on its static chunks.
 """
 from __future__ import annotations
 
@@ -73,3 +76,61 @@ def _leak(rank: int, world: int, seed: int) -> float:
 def test_no_leak_across_documents():
     for leak in run_distributed(_leak, 2, random.randrange(1 << 30), timeout=300):
         assert leak == 0.0, leak
+
+
+def _rows_alone(model, batch: dict, spans_per_row) -> dict:
+    """The reference for several packed rows: every document of every row alone, one global mean loss."""
+    targets = sum(b - a - 1 for spans in spans_per_row for a, b in spans)
+    logits, loss = [], 0.0
+    for row, spans in enumerate(spans_per_row):
+        pieces = []
+        for a, b in spans:
+            ids = batch["input_ids"][row:row + 1, a:b]
+            out = model(input_ids=ids, labels=ids, num_items_in_batch=torch.tensor(targets), use_cache=False)
+            pieces.append(out.logits.detach())
+            loss = loss + out.loss
+        logits.append(torch.cat(pieces, dim=1))
+    loss.backward()
+    return {"logits": torch.cat(logits), "loss": loss.detach(),
+            "grads": {n: p.grad for n, p in model.named_parameters() if p.grad is not None}}
+
+
+def _per_document_head_tail(rank: int, world: int, seed: int, dump: str) -> dict:
+    import json
+    import os
+
+    import cpcompile
+
+    rows = [packed_batch(seed, 12 * world), packed_batch(seed + 1, 12 * world)]
+    batch = {k: torch.cat([r[0][k] for r in rows]) for k in ("input_ids", "labels", "position_ids")}
+    make = lambda: tiny_qwen3(seed)
+    want = _rows_alone(make(), batch, [r[1] for r in rows])
+    plan = cpcompile.load_plan(sdpa_plan(world, wrapper=HEAD_TAIL_WRAPPER))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = cpcompile.shard_batch(batch, mesh, plan)
+    model = cpcompile.compile(make(), mesh, plan, example_inputs=local, dump_dir=os.path.join(dump, str(rank)))
+    out = model(**local)
+    out.loss.backward()
+    cpcompile.all_reduce_gradients(model, mesh)
+    loss = out.loss.detach().clone()
+    torch.distributed.all_reduce(loss, group=mesh.cp_group)
+    unpacked = {"input_ids": batch["input_ids"], "labels": batch["labels"]}
+    plain = cpcompile.unshard(model(**cpcompile.shard_batch(unpacked, mesh, plan)).logits.detach(), mesh, plan)
+    with torch.no_grad():
+        plain_want = make()(**unpacked, use_cache=False).logits
+    summary = json.load(open(os.path.join(dump, str(rank), "summary.json")))
+    return {"logits": rel(cpcompile.unshard(out.logits.detach(), mesh, plan, batch=local), want["logits"]),
+            "loss": rel(loss, want["loss"]),
+            "grads": {n: rel(p.grad, want["grads"][n]) for n, p in model.named_parameters()},
+            "missing_grads": [], "compiled": True, "unpacked_logits": rel(plain, plain_want),
+            "notes": [note for region in summary["regions"] for note in region["notes"]]}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_head_tail_cuts_two_packed_rows_per_document(world, tmp_path):
+    for result in run_distributed(_per_document_head_tail, world, random.randrange(1 << 30), str(tmp_path),
+                                  timeout=600):
+        notes = result.pop("notes")
+        assert any("per document" in note for note in notes), notes
+        assert result.pop("unpacked_logits") <= 1e-5, result
+        assert_equivalent(result)

@@ -21,7 +21,8 @@ import torch
 from torch import Tensor
 
 from ...collectives import contiguous_gradient
-from .layout import documents, query_documents, query_positions
+from .layout import documents, query_documents
+from .layout import query_positions as query_positions_of
 
 BLOCK = 128
 
@@ -57,37 +58,41 @@ def _ranges(docs: Tensor, real: Tensor) -> tuple[Tensor, Tensor]:
     return low, high
 
 
-def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bool):
-    """The FlexAttention `BlockMask` of queries at `chunk_starts` chunks against keys `0..S_kv-1`."""
+def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bool,
+               query_positions: Tensor | None = None):
+    """The FlexAttention `BlockMask` of queries at `chunk_starts` chunks (or at `query_positions
+    [B, S_q]`, rising along each row) against keys `0..S_kv-1`."""
     from torch.nn.attention.flex_attention import BlockMask
 
-    kv_len = key_tags.shape[1]
+    batch, kv_len = key_tags.shape
     device = key_tags.device
-    positions = query_positions(chunk_starts, q_len, device)
+    if query_positions is None:
+        query_positions = query_positions_of(chunk_starts, q_len, device)
+    positions = query_positions.long().expand(batch, q_len)
     tags = _blocks_of(key_tags, -1, kv_len)                                   # [B, nk, BLOCK], -1: padding
     key_low, key_high = _ranges(documents(tags), tags >= 0)                    # [B, nk]
     all_real = (tags >= 0).all(-1)
-    q_pos = _blocks_of(positions, -1, q_len)                                  # [nq, BLOCK], -1: past the end
+    q_pos = _blocks_of(positions, -1, q_len)                                  # [B, nq, BLOCK], -1: past the end
     q_docs = _blocks_of(query_documents(key_tags, positions), -1, q_len)      # [B, nq, BLOCK]
     q_low, q_high = _ranges(q_docs, q_pos >= 0)                               # [B, nq]
     first_key = torch.arange(0, tags.shape[1] * BLOCK, BLOCK, device=device)
     if causal:
         lowest = torch.where(q_pos >= 0, q_pos, kv_len).amin(-1)
-        whole = (first_key + BLOCK - 1)[None, :] <= lowest[:, None]          # [nq, nk]
-        some = first_key[None, :] <= q_pos.amax(-1)[:, None]
+        whole = (first_key + BLOCK - 1)[None, None, :] <= lowest[..., None]  # [B, nq, nk]
+        some = first_key[None, None, :] <= q_pos.amax(-1)[..., None]
     else:
-        whole = some = torch.ones(q_pos.shape[0], first_key.shape[0], dtype=torch.bool, device=device)
+        whole = some = torch.ones(batch, q_pos.shape[1], first_key.shape[0], dtype=torch.bool, device=device)
     one_document = (key_low == key_high)[:, None, :] & (q_low == q_high)[:, :, None] \
         & (key_low[:, None, :] == q_low[:, :, None])                         # [B, nq, nk]
     overlap = (key_low[:, None, :] <= q_high[:, :, None]) & (q_low[:, :, None] <= key_high[:, None, :])
-    full = whole[None] & all_real[:, None, :] & one_document
-    partial = some[None] & overlap & ~full
+    full = whole & all_real[:, None, :] & one_document
+    partial = some & overlap & ~full
     # padded to whole blocks: the kernel evaluates the mask on a partial block's every element
-    flat_tags, flat_pos, flat_docs = tags.flatten(-2), q_pos.flatten(), q_docs.flatten(-2)
+    flat_tags, flat_pos, flat_docs = tags.flatten(-2), q_pos.flatten(-2), q_docs.flatten(-2)
 
     def seen(b, h, q_idx, kv_idx):
         same = flat_tags[b, kv_idx] == flat_docs[b, q_idx]
-        return same & (flat_pos[q_idx] >= kv_idx) if causal else same
+        return same & (flat_pos[b, q_idx] >= kv_idx) if causal else same
 
     counts, indices = _as_indices(partial[:, None])
     full_counts, full_indices = _as_indices(full[:, None])
@@ -96,9 +101,9 @@ def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bo
 
 
 def flex_chunk_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
-                         scale: float) -> Tensor:
+                         scale: float, query_positions: Tensor | None = None) -> Tensor:
     """FlexAttention under the block mask; its input gradients come back contiguous, as the custom
     ops' do (K and V come from collectives)."""
     q, k, v = (contiguous_gradient(x) for x in (q, k, v))
-    mask = block_mask(key_tags, chunk_starts, q.shape[2], causal)
+    mask = block_mask(key_tags, chunk_starts, q.shape[2], causal, query_positions)
     return compiled_flex_attention()(q, k, v, block_mask=mask, scale=scale, enable_gqa=q.shape[1] != k.shape[1])

@@ -1,6 +1,8 @@
 """Where a rank's queries sit in the global sequence, and which keys each may see.
 
-Queries come in equal chunks at given global starts. Keys are in global order and carry a tag
+Queries come in equal chunks at given global starts, or (per-document Head-Tail, whose token order
+depends on the batch's documents) at the global positions a `[B, S_q]` tensor gives, rising along
+each row. Keys are in global order and carry a tag
 (`key_tags [B, S_kv]`, int64): the id of the document the key belongs to when it is a real token,
 `−(id + 1)` when it is padding. An unpacked batch has one document, id 0, so its tags are 0 for
 real keys and −1 for padding. A query sees a key when the key is real, of the query's own
@@ -41,15 +43,18 @@ def documents(key_tags: Tensor) -> Tensor:
 
 
 def query_documents(key_tags: Tensor, positions: Tensor) -> Tensor:
-    """`[B, S_q]`: the document of each query (a query is the token at its position)."""
-    return documents(key_tags).index_select(1, positions)
+    """`[B, S_q]`: the document of each query (a query is the token at its position); `positions`
+    `[S_q]` (the same for every row) or `[B, S_q]`."""
+    docs = documents(key_tags)
+    return docs.gather(1, positions.expand(docs.shape[0], -1))
 
 
 def visible(key_tags: Tensor, query_docs: Tensor, query_pos: Tensor, keys: int, causal: bool) -> Tensor:
-    """`[B, S_q, keys]` bool: which of the first `keys` keys each query sees."""
+    """`[B, S_q, keys]` bool: which of the first `keys` keys each query (at `query_pos`, `[S_q]`
+    or `[B, S_q]`) sees."""
     seen = key_tags[:, None, :keys] == query_docs[:, :, None]  # padding tags are negative: never equal
     if causal:
-        seen = seen & (torch.arange(keys, device=key_tags.device) <= query_pos[:, None])
+        seen = seen & (torch.arange(keys, device=key_tags.device) <= query_pos[..., :, None])
     return seen
 
 

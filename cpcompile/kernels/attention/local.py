@@ -1,11 +1,13 @@
 """`local_attention`: what a CP rank computes after its collectives, the one call the SDPA rewrites emit.
 
-    local_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, masked_kernel) -> out
+    local_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, masked_kernel, query_positions?) -> out
 
 `q [B, Hq, n·c, D]` holds n equal chunks of queries; chunk i sits at global positions
 `[chunk_starts[i], chunk_starts[i] + c)` (AllGather: one chunk at r·S_local; Head-Tail: chunks r and
 2·cp−1−r; Ulysses: one chunk at 0 spanning the sequence; Hybrid: one chunk spanning its Ulysses
-group). `k, v [B, Hkv, S_kv, D]` are in global order; `key_tags [B, S_kv]` (int64) says which keys
+group). Per-document Head-Tail, whose token order depends on the batch, gives the queries' global
+positions instead (`query_positions [B, S_q]`, rising along each row; `chunk_starts` is then
+unused) and always runs the masked path. `k, v [B, Hkv, S_kv, D]` are in global order; `key_tags [B, S_kv]` (int64) says which keys
 are real and to which document each belongs (`layout.py`). A query at position p sees key j when
 j is real, of p's document, and, if `causal`, j ≤ p.
 
@@ -32,12 +34,13 @@ from .op import chunk_attention, tiled_attention
 
 @without_autocast  # Q/K/V come at the precision autocast gives SDPA; the kernels keep it
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
-                    scale: float, kernel: str, masked_kernel: str) -> Tensor:
-    if kernel != "flex" and not torch.compiler.is_compiling() and single_unpadded_document(key_tags):
+                    scale: float, kernel: str, masked_kernel: str, query_positions: Tensor | None = None) -> Tensor:
+    if (query_positions is None and kernel != "flex" and not torch.compiler.is_compiling()
+            and single_unpadded_document(key_tags)):
         return chunk_attention(q, k, v, chunk_starts, causal, scale, kernel)[0]
     if masked_kernel == "flex":
-        return flex_chunk_attention(q, k, v, key_tags, chunk_starts, causal, scale)
-    return tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, masked_kernel)[0]
+        return flex_chunk_attention(q, k, v, key_tags, chunk_starts, causal, scale, query_positions)
+    return tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, masked_kernel, query_positions)[0]
 
 
 def local_attention_fake(q: Tensor, *args) -> Tensor:

@@ -1,7 +1,8 @@
 """The custom ops behind `local_attention`, each with a fake implementation and its own backward op.
 
     chunk_attention(q, k, v, chunk_starts, causal, scale, kernel) -> (out, lse)          # unmasked.py
-    tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel) -> (out, lse) # tiled.py
+    tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, query_positions?) -> (out, lse)
+                                                                                    # tiled.py
 
 Gradients come back contiguous whatever layout the kernels give theirs (flash returns its
 gradients as transposed views): K and V come from an all-gather or all-to-all, whose backward
@@ -77,38 +78,41 @@ chunk_attention.register_autograd(_chunk_grad, setup_context=_chunk_setup)
 
 @torch.library.custom_op("cpcompile::tiled_attention", mutates_args=())
 def tiled_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
-                    scale: float, kernel: str) -> tuple[Tensor, Tensor]:
-    return tiled.forward(q, k, v, key_tags, chunk_starts, causal, scale, kernel)
+                    scale: float, kernel: str, query_positions: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    return tiled.forward(q, k, v, key_tags, chunk_starts, causal, scale, kernel, query_positions)
 
 
 @tiled_attention.register_fake
-def _(q, k, v, key_tags, chunk_starts, causal, scale, kernel):
+def _(q, k, v, key_tags, chunk_starts, causal, scale, kernel, query_positions=None):
     return _fake_outputs(q, chunk_starts)
 
 
 @torch.library.custom_op("cpcompile::tiled_attention_backward", mutates_args=())
 def tiled_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                              key_tags: Tensor, chunk_starts: list[int], causal: bool, scale: float,
-                             kernel: str) -> tuple[Tensor, Tensor, Tensor]:
-    grads = tiled.backward(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale, kernel)
+                             kernel: str, query_positions: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    grads = tiled.backward(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale, kernel,
+                           query_positions)
     return _contiguous_like(grads, (q, k, v))
 
 
 @tiled_attention_backward.register_fake
-def _(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale, kernel):
+def _(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale, kernel, query_positions=None):
     return _fake_grads(q, k, v)
 
 
 def _tiled_setup(ctx, inputs, output):
-    q, k, v, key_tags, *ctx.config = inputs
-    ctx.save_for_backward(q, k, v, key_tags, *output)
+    q, k, v, key_tags, chunk_starts, causal, scale, kernel, query_positions = inputs
+    ctx.config = (chunk_starts, causal, scale, kernel)
+    ctx.save_for_backward(q, k, v, key_tags, query_positions, *output)
     ctx.mark_non_differentiable(output[1])
 
 
 def _tiled_grad(ctx, grad_out, _grad_lse):
-    q, k, v, key_tags, out, lse = ctx.saved_tensors
-    dq, dk, dv = tiled_attention_backward(grad_out.contiguous(), q, k, v, out, lse, key_tags, *ctx.config)
-    return dq, dk, dv, None, None, None, None, None
+    q, k, v, key_tags, query_positions, out, lse = ctx.saved_tensors
+    dq, dk, dv = tiled_attention_backward(grad_out.contiguous(), q, k, v, out, lse, key_tags, *ctx.config,
+                                          query_positions)
+    return dq, dk, dv, None, None, None, None, None, None
 
 
 tiled_attention.register_autograd(_tiled_grad, setup_context=_tiled_setup)

@@ -74,8 +74,13 @@ def all_valid_keys(emit: Emitter, batch: int, length: int, device) -> fx.Node:
 def region_position_ids(gm: fx.GraphModule) -> fx.Node | None:
     """The region's `position_ids` input, when the model passes them to its attention (Hugging Face
     models do): local tokens' positions, restarting at 0 at each document of a packed batch."""
+    return region_tensor_input(gm, "position_ids")
+
+
+def region_tensor_input(gm: fx.GraphModule, name: str) -> fx.Node | None:
+    """The region's input called `name` when the call passed a tensor for it, else None."""
     for node in gm.graph.nodes:
-        if node.op == "placeholder" and node.name == "position_ids" and isinstance(node.meta.get("val"), torch.Tensor):
+        if node.op == "placeholder" and node.name == name and isinstance(node.meta.get("val"), torch.Tensor):
             return node
     return None
 
@@ -156,10 +161,11 @@ def core_inputs(emit: Emitter, match: SdpaMatch) -> tuple[fx.Node, fx.Node, fx.N
 
 
 def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, query: fx.Node, key: fx.Node,
-                         value: fx.Node, key_tags: fx.Node, chunk_starts: list[int], causal: bool) -> fx.Node:
+                         value: fx.Node, key_tags: fx.Node, chunk_starts: list[int], causal: bool,
+                         query_positions: fx.Node | None = None) -> fx.Node:
     """The attention a rank computes after its collectives (`kernels.attention.local_attention`):
-    `query` in equal chunks at global `chunk_starts`, `key`/`value` and `key_tags [B, S]` in
-    global order. The kernels are chosen here, from the traced device and dtype, and named in the
+    `query` in equal chunks at global `chunk_starts` (or at `query_positions [B, S_q]`),
+    `key`/`value` and `key_tags [B, S]` in global order. The kernels are chosen here, from the traced device and dtype, and named in the
     dump; nothing `[S_q, S_kv]` is built."""
     if match.dropout_p:
         raise CPInputError(f"{ctx.fqn}: attention dropout ({match.dropout_p}) is not supported by CP's local "
@@ -171,4 +177,4 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
     note_once(ctx, f"local attention: {kernel} blocks (one unpadded document), {masked_kernel} with padded keys "
                    "or documents; nothing S_q x S_kv")
     return emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
-                     masked_kernel, fake=local_attention_fake)
+                     masked_kernel, query_positions, fake=local_attention_fake)

@@ -11,6 +11,13 @@ to the first (r+1)·c keys and the tail chunk to the first (t+1)·c, so a rank s
 query-key pairs per head, the same on every rank — the saving load balancing is for. Both chunks
 go to one `local_attention` call (chunks at global starts r·c and t·c); autograd closes the
 backward (the gathers become reduce-scatters).
+
+A packed batch is cut per document instead (`documents.per_document_head_tail`): every rank holds
+a head and a tail piece of every document, so the rank's token positions depend on the batch and
+reach the region as one more input (`cp_query_positions`, `[B, S_local]`, rising). Then K, V, the
+key tags and those positions are all-gathered, the keys are put in global order by sorting the
+gathered positions (a gather, O(S)), and `local_attention` runs its masked path at the given query
+positions. The call without that input (one document per row) keeps the static chunks above.
 """
 from __future__ import annotations
 
@@ -18,12 +25,14 @@ import torch
 import torch.fx as fx
 
 from ...context import PassContext
+from ...documents import QUERY_POSITIONS
 from ...errors import CPInputError
 from ...methods import HEAD_TAIL, register_method
 from ..comm import all_gather_sequence, note_once
 from ..graph_utils import Emitter, evaluate_node, val
 from .fragments import (
     all_valid_keys, check_self_attention, core_inputs, emit_local_attention, gathered_key_tags, mask_row,
+    region_position_ids, region_tensor_input,
 )
 from .masks import CAUSAL, classify_local_mask
 from .match import SdpaMatch, sdpa_method
@@ -35,6 +44,9 @@ KEY_TAGS_SEQ_DIM = 1
 
 def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) -> None:
     emit = Emitter(gm.graph, match.node, "sdpa_head_tail")
+    positions = region_tensor_input(gm, QUERY_POSITIONS)
+    if positions is not None:
+        return rewrite_per_document(gm, emit, match, ctx, positions)
     local_len, _ = check_self_attention(match, ctx)
     chunk = chunk_length(ctx, local_len)
     causal, local_valid = head_tail_key_validity(emit, gm, match, ctx, chunk)
@@ -49,6 +61,40 @@ def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) ->
     note_once(ctx, f"head-tail: local chunks {head} and {tail} of {2 * ctx.cp_size} ({chunk} tokens each); "
                    "K/V gathered over cp and put in global order, each chunk attends to its visible key prefix")
     ctx.cores_rewritten += 1
+
+
+def rewrite_per_document(gm: fx.GraphModule, emit: Emitter, match: SdpaMatch, ctx: PassContext,
+                         positions: fx.Node) -> None:
+    """Head-Tail of a packed batch cut per document: queries at the data's `positions`."""
+    local_len, _ = check_self_attention(match, ctx)
+    position_ids = region_position_ids(gm)
+    if match.attn_mask is not None or not match.is_causal or position_ids is None:
+        raise CPInputError(f"{ctx.fqn}: per-document Head-Tail (a packed batch) needs causal attention without a "
+                           "mask and the attention to receive position_ids (Hugging Face attention does)")
+    query, local_key, local_value = core_inputs(emit, match)
+    batch = val(query).shape[0]
+    here = emit(aten.expand.default, emit(aten._to_copy.default, positions, dtype=torch.long), [batch, local_len])
+    within = emit(aten.expand.default, emit(aten._to_copy.default, position_ids, dtype=torch.long),
+                  [batch, local_len])
+    document = emit(aten.sub.Tensor, here, within)  # where each token's document starts: its key tag
+    tags, everywhere = (emit(aten.squeeze.dim, all_gather_sequence(emit, ctx, emit(aten.unsqueeze.default, x, 1),
+                                                                  seq_dim=2, purpose=purpose), 1)
+                        for x, purpose in ((document, "documents"), (here, "token positions")))
+    order = emit(aten.argsort.default, everywhere, 1)  # [B, S]: the gathered slot of every global position
+    key_tags = emit(aten.gather.default, tags, 1, order)
+    key, value = (in_global_order(emit, all_gather_sequence(emit, ctx, x, SEQ_DIM, name), order)
+                  for x, name in ((local_key, "K"), (local_value, "V")))
+    match.replace_with(gm, emit_local_attention(emit, ctx, match, query, key, value, key_tags, [0], True, here))
+    note_once(ctx, "head-tail per document (packed batch): K/V, documents and token positions gathered over cp, "
+                   "K/V put in global order; queries at the batch's positions")
+    ctx.cores_rewritten += 1
+
+
+def in_global_order(emit: Emitter, gathered: fx.Node, order: fx.Node) -> fx.Node:
+    """`[B, H, S, D]` in gathered (rank-major) order -> global order, by `order [B, S]`."""
+    shape = list(val(gathered).shape)
+    index = emit(aten.expand.default, emit(aten.view.default, order, [shape[0], 1, shape[2], 1]), shape)
+    return emit(aten.gather.default, gathered, SEQ_DIM, index)
 
 
 def local_chunks(ctx: PassContext) -> tuple[int, int]:
