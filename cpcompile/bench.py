@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .batch import shard_batch
+from .errors import PlanError
 from .pipeline import compile as cp_compile
 from .mesh import build_mesh
 from .trainer.config import TrainConfig
@@ -64,6 +65,9 @@ def time_steps(step: Callable[[], torch.Tensor], warmup: int, repeat: int, devic
 def bench(config: TrainConfig, warmup: int, repeat: int, full_sequence: bool = False) -> list[dict]:
     """-> one row per variant: {"variant", "tokens", "fwd", "bwd", "alloc", "reserved"}."""
     settings = config.train
+    if config.plan.accelerator.tp_size > 1:  # its rows compare CP with one device's share, without TP
+        raise PlanError("accelerator.tp_size", f"is {config.plan.accelerator.tp_size}: cpcompile bench times CP "
+                                               "alone (set tp_size: 1; `cpcompile train` runs TP with CP)")
     check_world_size(config.plan)
     mesh = build_mesh(config.plan.accelerator, device_type=settings.device)
     model = build_model(config.model, settings)

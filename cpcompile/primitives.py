@@ -61,6 +61,8 @@ def heads_to_sequence(x: torch.Tensor, cp) -> torch.Tensor:
     """The inverse of `sequence_to_heads`: `[B, H/cp, S, D]` → `[B, H, S/cp, D]`."""
     size, group = _group(cp)
     batch, heads, length, dim = x.shape
+    if length % size:
+        raise CPInputError(f"heads_to_sequence: {length} tokens do not split over cp_size={size}")
     parts = x.reshape(batch, heads, size, length // size, dim).movedim(2, 0).contiguous()
     received = _waited(C.ALL_TO_ALL(parts, [1] * size, [1] * size, group))  # [sender, B, H/cp, S/cp, D]
     return received.movedim(0, 1).reshape(batch, size * heads, length // size, dim)

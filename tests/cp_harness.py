@@ -152,11 +152,6 @@ def method_scenarios(seed: int, world: int, wrapper) -> dict:
     }
 
 
-def worst_errors(result: dict) -> dict:
-    """The largest relative errors of one `compare_cp_run` result, for reports."""
-    return {"logits": result["logits"], "loss": result["loss"], "grads": max(result["grads"].values())}
-
-
 # ----------------------------------------------------------------------------- async methods (schedule pass)
 
 ASYNC_METHODS = ("all_gather", "ulysses", "hybrid")

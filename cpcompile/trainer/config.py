@@ -237,8 +237,8 @@ def load_train_config(source: str | dict) -> TrainConfig:
     model = _check_model_section(model)
     plan = load_plan(raw)
     for name, size in plan.accelerator.not_with_cp():
-        raise PlanError(f"accelerator.{name}", f"cpcompile train runs data and context parallelism only; must be "
-                                               f"1, got {size} (use the library API for other parallelisms)")
+        raise PlanError(f"accelerator.{name}", f"cpcompile train runs data, context and tensor parallelism, not "
+                                               f"pipeline or expert parallelism; must be 1, got {size}")
     config = TrainConfig(model=model, plan=plan, **sections)
     _check_batch(config)
     if config.train.verify and config.dp_size > 1:

@@ -60,12 +60,15 @@ def read_documents(data: DataSettings) -> list[str]:
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
-                documents.append(record[data.text_field])
+                text = json.loads(line)[data.text_field]
             except (ValueError, KeyError, TypeError) as exc:
                 raise PlanError("data.path", f"line {number} is not a JSON object with a string "
                                              f"{data.text_field!r} ({exc!r})") from exc
-    documents = [doc for doc in documents if isinstance(doc, str) and doc]
+            if not isinstance(text, str):
+                raise PlanError("data.path", f"line {number}: {data.text_field!r} is of type {type(text).__name__}, "
+                                             "not a string")
+            documents.append(text)
+    documents = [doc for doc in documents if doc]  # empty documents hold no token to train on
     if not documents:
         raise PlanError("data.path", f"{data.path} holds no document")
     return documents

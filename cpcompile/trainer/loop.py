@@ -280,12 +280,13 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
 
 
 def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
-    """A rough per-rank estimate: sharded parameters, gradients and two AdamW moments; the saved
-    activations (one hidden state per layer with activation checkpointing, ~16 per layer without);
-    the logits and their float32 loss copies."""
+    """A rough per-rank estimate: parameters, gradients and two AdamW moments, sharded over
+    dp_shard x cp and split over tp (as if TP split them all: its linears are most of them); the
+    saved activations (one hidden state per layer with activation checkpointing, ~16 per layer
+    without); the logits and their float32 loss copies."""
     settings, accelerator = config.train, config.plan.accelerator
     element = torch.empty((), dtype=DTYPES[settings.dtype]).element_size()
-    shards = accelerator.dp_shard_size * accelerator.cp_size
+    shards = accelerator.dp_shard_size * accelerator.cp_size * accelerator.tp_size
     text = model_config.get_text_config()
     tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
     per_layer = 1 if settings.ac_mode == "every_layer" else 16
@@ -306,10 +307,11 @@ def _tolerance(settings: TrainSettings) -> str:
 
 def _verify(record: dict, settings: TrainSettings, mesh) -> None:
     """Raise `VerificationError` on every rank when this step's CP loss is off its reference.
-    The ranks hold the same numbers; they still agree by one all-reduce, so none waits alone."""
+    The ranks hold the same numbers; they still agree by one all-reduce over every rank (verify
+    runs one replica: cp x tp ranks), so none waits alone at the next step's collectives."""
     failure = step_failure(record, settings, mesh.cp_size)
     failed = torch.tensor([float(failure is not None)], device=settings.device)
-    dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=mesh.cp_group)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
     if failed.item():
         raise VerificationError(failure or f"train.verify: step {record['step']}: another rank's reference "
                                            "disagreed with the CP loss beyond the tolerance")

@@ -231,3 +231,17 @@ def test_collectives_with_region_dispatch_true():
 def test_unknown_parameter():
     message = _plan_error({"_target_": "custom_local_compute.cp_hand_attention", "schedule": "async"})
     assert "unknown parameter 'schedule'" in message
+
+
+@pytest.mark.parametrize("primitive, shape", [("sequence_to_heads", (1, 3, 4, 2)), ("heads_to_sequence", (1, 2, 5, 2))])
+def test_ulysses_primitives_refuse_shapes_that_do_not_split(primitive, shape):
+    """Heads (to heads) or tokens (to sequence) that do not divide by cp: a CPInputError naming the
+    primitive, before any collective."""
+    import types
+
+    from cpcompile import primitives
+    from cpcompile.errors import CPInputError
+
+    cp = types.SimpleNamespace(cp_size=2, cp_rank=0, cp_group_name="never used")
+    with pytest.raises(CPInputError, match=f"{primitive}: .* do not split over cp_size=2"):
+        getattr(primitives, primitive)(torch.zeros(shape), cp)

@@ -166,3 +166,16 @@ def test_verify_judges_each_step(record, dtype, fails):
     assert (failure is not None) == fails, failure
     if fails:
         assert failure.startswith("train.verify: step 3: ") and "\n" not in failure
+
+
+def test_bench_refuses_tensor_parallelism_before_any_process_group():
+    """`cpcompile bench` compares CP with one device's share and has no TP rows: tp_size > 1 is a
+    PlanError naming the field, raised before the world size is checked."""
+    from cpcompile.bench import bench
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+
+    config = _config(2, 0, model="qwen3", verify=False)
+    config["accelerator"]["tp_size"] = 2
+    with pytest.raises(PlanError, match="accelerator.tp_size.*cpcompile bench times CP alone"):
+        bench(load_train_config(config), warmup=0, repeat=1)

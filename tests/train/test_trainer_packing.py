@@ -53,6 +53,21 @@ def test_packing_is_off_by_default_and_rows_hold_one_padded_document(tmp_path):
         assert (batch["labels"][row, len(tokens):] == -100).all()
 
 
+@pytest.mark.parametrize("line, words", [('{"text": 7}', "'text' is of type int, not a string"),
+                                         ('{"body": "x"}', "not a JSON object with a string 'text'"),
+                                         ("[1, 2]", "not a JSON object"), ('{"text": ""}', "holds no document")])
+def test_a_jsonl_record_without_a_string_text_is_refused_by_line(tmp_path, line, words):
+    """Nothing dropped silently: a record whose text field is missing or not a string names its line."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer.config import DataSettings
+    from cpcompile.trainer.data import read_documents
+
+    path = tmp_path / "docs.jsonl"
+    path.write_text(line + "\n")
+    with pytest.raises(PlanError, match=words):
+        read_documents(DataSettings(source="jsonl", path=str(path)).validate())
+
+
 def test_a_packed_file_row_lays_documents_end_to_end_and_restarts_positions(tmp_path):
     """Documents in file order, cycled; one that overflows a row goes on in the next, from
     position 0; labels are -100 at every document's first token, so after `shard_batch`'s shift
