@@ -109,6 +109,9 @@ def _run(args) -> int:
             rows = bench(config, args.warmup, args.repeat, args.full_sequence)
             if dist.get_rank() == 0:
                 print(table(rows, config, args.warmup, args.repeat))
+        # every rank past its last collective before any tears the group down: a rank that
+        # destroys it while a peer's gloo work is still in flight aborts the process
+        dist.barrier()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
