@@ -36,22 +36,32 @@ def mark_packed(position_ids: torch.Tensor, packed: bool) -> None:
 class DocumentFeed:
     """The position ids of the compiled model's current call when its batch is packed (None when
     not), for regions whose own call lacks them (GDN), and the global positions of a per-document
-    Head-Tail batch's tokens (None for any other), for the Head-Tail SDPA regions. Set by the
-    model's pre-hook on every call.
+    Head-Tail batch's tokens (None for any other), which the Head-Tail SDPA regions read off their
+    own call and check against (`pipeline.InstalledRegion`). Set by the model's pre-hook on every
+    call.
 
-    Only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must hold the
-    plain global positions of this rank's slice, which `batch.LayoutGuard` checks on every call of
-    a model with such regions, so that packed documents never pass as one.
+    Under CP only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must
+    hold the plain global positions of this rank's slice, which `batch.LayoutGuard` checks on every
+    call of a model with such regions, so that packed documents never pass as one. Outside CP (no
+    sharding, so no mark: the trainer's un-rewritten GDN layers) `marked_only=False` takes every
+    call's position ids as they are, and `follow` keeps them from the model's calls.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, marked_only: bool = True) -> None:
+        self.marked_only = marked_only
         self.positions: torch.Tensor | None = None
         self.global_positions: torch.Tensor | None = None
 
     def update(self, position_ids: torch.Tensor | None) -> None:
-        packed = position_ids is not None and getattr(position_ids, PACKED_MARK, False)
+        packed = position_ids is not None and (not self.marked_only or getattr(position_ids, PACKED_MARK, False))
         self.positions = position_ids if packed else None
         self.global_positions = getattr(position_ids, GLOBAL_POSITIONS, None) if packed else None
+
+    def follow(self, model: torch.nn.Module) -> "DocumentFeed":
+        """Update from the `position_ids` keyword of every call of `model` (a forward pre-hook)."""
+        model.register_forward_pre_hook(lambda _module, _args, kwargs: self.update(kwargs.get("position_ids")),
+                                        with_kwargs=True)
+        return self
 
 
 def per_document_head_tail(position_ids: torch.Tensor, cp_size: int) -> torch.Tensor:

@@ -234,8 +234,8 @@ class InstalledRegion:
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
             self.region.bind(target, mesh)
-        # a region whose call lacks the position ids (GDN) takes a packed batch's from the model's hook,
-        # and a Head-Tail SDPA region the global positions of a batch cut per document
+        # a region whose call lacks the position ids (GDN) takes a packed batch's from the model's hook;
+        # a Head-Tail SDPA region reads a batch cut per document off its own call (adapters/sdpa.py)
         self.reads_documents = getattr(self.region, "reads_documents", False)
         self.reads_global_positions = getattr(self.region, "reads_global_positions", False)
         self.documents = documents or DocumentFeed()
@@ -260,8 +260,12 @@ class InstalledRegion:
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
             kwargs = {**kwargs, "document_positions": self.documents.positions}
-        if self.reads_global_positions:
-            kwargs = {**kwargs, QUERY_POSITIONS: self.documents.global_positions}
+        if self.reads_global_positions and kwargs.get(QUERY_POSITIONS) is None \
+                and self.documents.global_positions is not None and torch._C._current_graph_task_id() == -1:
+            raise CPInputError(
+                f"{self.target.fqn}: the batch is packed and cut per document for Head-Tail, but this attention's "
+                "call does not carry the position_ids shard_batch marked (the model rebuilt or dropped them); "
+                "per-document Head-Tail needs them, use a contiguous method for this model")
         return args, kwargs
 
     def __call__(self, *args, **kwargs):

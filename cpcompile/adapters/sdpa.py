@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..context import DeclaredAttention
-from ..documents import QUERY_POSITIONS
+from ..documents import GLOBAL_POSITIONS, QUERY_POSITIONS
 from ..errors import CPInputError
 from ..methods import HEAD_TAIL, AdapterSpec, register_adapter
 
@@ -22,14 +22,17 @@ SLIDING_LAYER = "sliding_attention"  # transformers' `config.layer_types` entry 
 class SdpaRegion:
     """A Head-Tail region (`per_document`) takes one more call argument, `cp_query_positions`: the
     global positions of the rank's tokens when the batch is packed, and so cut per document
-    (`documents.per_document_head_tail`; None otherwise). The compiled model's hook hands it over
-    (`documents.DocumentFeed`); the module never sees it: it stays a graph input for the rewrite
-    (`passes/sdpa/head_tail.py`)."""
+    (`documents.per_document_head_tail`; None otherwise). They are read off the `position_ids`
+    the attention is called with (`shard_batch` marks them there), so the recompute of a
+    checkpointed layer reads its own batch's, whatever ran since. The module never sees them: they
+    stay a graph input for the rewrite (`passes/sdpa/head_tail.py`)."""
 
     def __init__(self, per_document: bool = False):
         self.reads_global_positions = per_document
 
     def prepare_call(self, fqn: str, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self.reads_global_positions:
+            kwargs = {**kwargs, QUERY_POSITIONS: getattr(kwargs.get("position_ids"), GLOBAL_POSITIONS, None)}
         for name in CACHE_KWARGS:
             if kwargs.get(name) is not None:
                 raise CPInputError(

@@ -63,6 +63,13 @@ def chain_stops(graph: fx.Graph) -> set[fx.Node]:
     return {n for n in graph.nodes if is_compute(n) and n.target not in LAYOUT_COPIES}
 
 
+@functools.cache  # once per process: every such graph is left alone for the same reason
+def _warn_unscheduled() -> None:
+    log.warning("cpcompile: a compiled backward graph of an async CP region holds in-place ops, whose order its "
+                "data edges do not show; it keeps autograd's collective order (correct, synchronous: its "
+                "collectives do not overlap compute)")
+
+
 def schedule_backward(graph: fx.Graph, groups: set[str] | frozenset[str]) -> bool:
     """Order `graph` (a backward graph) for overlap if it communicates on one of `groups`; every
     collective of the graph then follows the rule, so each group keeps one issue order. Returns
@@ -71,7 +78,7 @@ def schedule_backward(graph: fx.Graph, groups: set[str] | frozenset[str]) -> boo
     if not any(group_of(n) in groups for n in launches):
         return False
     if any(mutates(n) for n in graph.nodes):  # an in-place op's order is not in the data edges
-        log.info("cpcompile: a backward graph with in-place ops keeps autograd's collective order")
+        _warn_unscheduled()
         return False
     collectives = find_collectives(graph, chain_stops(graph), {})
     reorder_graph(graph, priority_order(graph, collectives))

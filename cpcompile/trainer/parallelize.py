@@ -45,6 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from ..adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
+from ..documents import DocumentFeed
 from ..errors import PlanError
 from ..kernels.gdn.common import CHUNK_SIZE
 from ..mesh import CPMesh
@@ -78,7 +79,7 @@ def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool
                                              f"starts; set gdn_backend: eager or triton")
     if backend is None:
         return 0
-    documents = _DocumentPositions(model) if packing else None
+    documents = DocumentFeed(marked_only=False).follow(model) if packing else None
 
     def forward(self, hidden_states, attention_mask=None, **_):
         positions = documents.positions if documents is not None else None
@@ -88,18 +89,6 @@ def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool
     for layer in layers:
         layer.forward = types.MethodType(forward, layer)
     return len(layers)
-
-
-class _DocumentPositions:
-    """The `position_ids` of the model's current call, kept by a forward pre-hook (also for the
-    recompute of a checkpointed layer, which runs before the next call)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.positions: torch.Tensor | None = None
-        model.register_forward_pre_hook(self._keep, with_kwargs=True)
-
-    def _keep(self, _module, args, kwargs):
-        self.positions = kwargs.get("position_ids")
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:

@@ -134,3 +134,66 @@ def test_head_tail_cuts_two_packed_rows_per_document(world, tmp_path):
         assert any("per document" in note for note in notes), notes
         assert result.pop("unpacked_logits") <= 1e-5, result
         assert_equivalent(result)
+
+
+def _interleaved_under_checkpointing(rank: int, world: int, seed: int) -> dict:
+    """Two packed batches through one checkpointed Head-Tail model, both forwards before one
+    backward: each layer's recompute must cut its own batch per document, not the latest one."""
+    import cpcompile
+
+    batches = [packed_batch(seed + i, 12 * world) for i in range(2)]
+
+    def make():
+        model = tiny_qwen3(seed)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        return model
+
+    reference = make()
+    want = [each_document_alone(reference, batch, spans) for batch, spans in batches]  # grads accumulate
+    plan = cpcompile.load_plan(sdpa_plan(world, wrapper=HEAD_TAIL_WRAPPER))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    locals_ = [cpcompile.shard_batch(batch, mesh, plan) for batch, _ in batches]
+    model = cpcompile.compile(make(), mesh, plan, example_inputs=locals_[0])
+    losses = [model(**local).loss for local in locals_]
+    (losses[0] + losses[1]).backward()
+    cpcompile.all_reduce_gradients(model, mesh)
+    got_loss = torch.stack([loss.detach() for loss in losses])
+    torch.distributed.all_reduce(got_loss, group=mesh.cp_group)
+    return {"logits": 0.0, "loss": rel(got_loss, torch.stack([w["loss"] for w in want])),
+            "grads": {n: rel(p.grad, reference.get_parameter(n).grad) for n, p in model.named_parameters()},
+            "missing_grads": [], "compiled": True}
+
+
+def test_checkpoint_recompute_cuts_its_own_batch_per_document():
+    for result in run_distributed(_interleaved_under_checkpointing, 2, random.randrange(1 << 30), timeout=300):
+        assert_equivalent(result)
+
+
+class _RebuildsPositions(torch.nn.Module):
+    """A model whose forward hands its layers new position ids (as some multimodal models do)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids=None, position_ids=None, **kwargs):
+        return self.inner(input_ids=input_ids, position_ids=position_ids.clone(), **kwargs)
+
+
+def _rebuilt_positions(rank: int, world: int, seed: int) -> str:
+    import cpcompile
+
+    batch, _ = packed_batch(seed, 12 * world)
+    plan = cpcompile.load_plan(sdpa_plan(world, wrapper=HEAD_TAIL_WRAPPER, match="inner.*.self_attn"))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    local = cpcompile.shard_batch(batch, mesh, plan)
+    try:
+        cpcompile.compile(_RebuildsPositions(tiny_qwen3(seed)), mesh, plan, example_inputs=local)
+    except cpcompile.errors.CPInputError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_per_document_head_tail_refuses_attention_without_the_marked_positions():
+    for message in run_distributed(_rebuilt_positions, 2, random.randrange(1 << 30), timeout=300):
+        assert "cut per document" in message and "position_ids shard_batch marked" in message, message
