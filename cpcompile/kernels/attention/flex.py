@@ -66,22 +66,22 @@ def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bo
 
     batch, kv_len = key_tags.shape
     device = key_tags.device
-    if query_positions is None:
-        query_positions = query_positions_of(chunk_starts, q_len, device)
-    positions = query_positions.long().expand(batch, q_len)
+    per_row = query_positions is not None  # else one `[S_q]` for every row, from the chunk starts
+    positions = query_positions.long().expand(batch, q_len) if per_row else query_positions_of(chunk_starts, q_len,
+                                                                                               device)
     tags = _blocks_of(key_tags, -1, kv_len)                                   # [B, nk, BLOCK], -1: padding
     key_low, key_high = _ranges(documents(tags), tags >= 0)                    # [B, nk]
     all_real = (tags >= 0).all(-1)
-    q_pos = _blocks_of(positions, -1, q_len)                                  # [B, nq, BLOCK], -1: past the end
+    q_pos = _blocks_of(positions, -1, q_len)                                  # [(B,) nq, BLOCK], -1: past the end
     q_docs = _blocks_of(query_documents(key_tags, positions), -1, q_len)      # [B, nq, BLOCK]
     q_low, q_high = _ranges(q_docs, q_pos >= 0)                               # [B, nq]
     first_key = torch.arange(0, tags.shape[1] * BLOCK, BLOCK, device=device)
     if causal:
         lowest = torch.where(q_pos >= 0, q_pos, kv_len).amin(-1)
-        whole = (first_key + BLOCK - 1)[None, None, :] <= lowest[..., None]  # [B, nq, nk]
-        some = first_key[None, None, :] <= q_pos.amax(-1)[..., None]
+        whole = (first_key + BLOCK - 1) <= lowest[..., None]                 # [(B,) nq, nk]
+        some = first_key <= q_pos.amax(-1)[..., None]
     else:
-        whole = some = torch.ones(batch, q_pos.shape[1], first_key.shape[0], dtype=torch.bool, device=device)
+        whole = some = torch.ones(*q_pos.shape[:-1], first_key.shape[0], dtype=torch.bool, device=device)
     one_document = (key_low == key_high)[:, None, :] & (q_low == q_high)[:, :, None] \
         & (key_low[:, None, :] == q_low[:, :, None])                         # [B, nq, nk]
     overlap = (key_low[:, None, :] <= q_high[:, :, None]) & (q_low[:, :, None] <= key_high[:, None, :])
@@ -92,7 +92,9 @@ def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bo
 
     def seen(b, h, q_idx, kv_idx):
         same = flat_tags[b, kv_idx] == flat_docs[b, q_idx]
-        return same & (flat_pos[b, q_idx] >= kv_idx) if causal else same
+        if not causal:
+            return same
+        return same & ((flat_pos[b, q_idx] if per_row else flat_pos[q_idx]) >= kv_idx)
 
     counts, indices = _as_indices(partial[:, None])
     full_counts, full_indices = _as_indices(full[:, None])
