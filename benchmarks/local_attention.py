@@ -7,7 +7,9 @@ For each global length S, head layout (MHA 16x64, GQA 16/4x128) and rank layout 
 - Head-Tail, rank 0: chunks 0 and 2P-1 of S/(2P) queries against their key prefixes;
 rows: `local_attention` with each CUDA kernel (unmasked prefix block + is_causal diagonal block per
 chunk, merged by log-sum-exp), the same with one padded key (FlexAttention with its block mask),
-optionally packed rows of documents (`--documents`, FlexAttention skipping cross-document blocks), and the
+optionally packed rows of documents (`--documents`, FlexAttention skipping cross-document blocks; for
+Head-Tail also the rank-0 share of the same row cut per document, the layout `shard_batch` gives a
+packed batch: FlexAttention with queries at the batch's positions), and the
 reference: one flash call per chunk with `is_causal` against its key prefix, which FlashAttention-2
 aligns to the bottom right (what no SDPA API spells for a rank). Forward and forward+backward:
 median ms (triton.testing.do_bench); peak memory of one forward+backward above the inputs.
@@ -23,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cpcompile.documents import per_document_head_tail, positions_from_starts  # noqa: E402
 from cpcompile.kernels.attention import local_attention  # noqa: E402
 
 aten = torch.ops.aten
@@ -48,11 +51,21 @@ def packed_tags(keys: int, mean_document: int) -> torch.Tensor:
     return starts.long().cumsum(0)[None].cuda()
 
 
-def ours(kernel: str, starts: list[int], tags: torch.Tensor | None = None):
+def rank_zero_per_document(tags: torch.Tensor, cp: int) -> torch.Tensor:
+    """`[1, S/cp]`: the global positions rank 0 holds when the packed row of `tags` is cut per
+    document (`cpcompile.documents.per_document_head_tail`)."""
+    docs = tags[0].cpu()
+    starts = torch.ones_like(docs, dtype=torch.bool)
+    starts[1:] = docs[1:] != docs[:-1]
+    order = per_document_head_tail(positions_from_starts(starts)[None], cp)[0]
+    return order[: docs.numel() // cp][None].cuda()
+
+
+def ours(kernel: str, starts: list[int], tags: torch.Tensor | None = None, query_positions=None):
     """local_attention; `tags` None is one unpadded document (the unmasked blocks)."""
     def run(q, k, v):
         key_tags = tags if tags is not None else torch.zeros(1, k.shape[2], dtype=torch.long, device="cuda")
-        return local_attention(q, k, v, key_tags, starts, True, q.shape[-1] ** -0.5, kernel, "flex")
+        return local_attention(q, k, v, key_tags, starts, True, q.shape[-1] ** -0.5, kernel, "flex", query_positions)
     return run
 
 
@@ -101,8 +114,11 @@ def main() -> int:
                 padded[0, 0] = -1
                 variants["local_attention, one padded key (flex)"] = ours("flash", starts, padded)
                 for mean in args.documents:
-                    variants[f"local_attention, packed documents of ~{mean} tokens (flex)"] = \
-                        ours("flash", starts, packed_tags(seq, mean))
+                    tags = packed_tags(seq, mean)
+                    variants[f"local_attention, packed documents of ~{mean} tokens (flex)"] = ours("flash", starts, tags)
+                    if name.startswith("head_tail"):
+                        variants[f"local_attention, ~{mean}-token documents cut per document (flex at positions)"] = \
+                            ours("flash", starts, tags, rank_zero_per_document(tags, args.cp))
                 variants["flash, is_causal per chunk (bottom-right)"] = flash_per_chunk(starts)
                 for label, fn in variants.items():
                     try:
