@@ -4,6 +4,9 @@
 #            and layer; with two GPUs, every SDPA method over NCCL (bf16 judged against fp32)
 #   attn     benchmarks/local_attention.py: a rank's local attention vs one fused call (one GPU)
 #   gdn      benchmarks/gdn_kernels.py (fla-core installed for the comparison)
+#   packed   packed documents on one GPU (a short run; not in the default): their GPU tests
+#            (per-document Head-Tail's FlexAttention at query positions, packed GDN eager and triton),
+#            and local_attention.py at 32K with documents, per-document Head-Tail included
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -28,6 +31,12 @@ if has gdn; then
   # SIGINT at the limit: the benchmark writes the tables of what it measured so far
   timeout -s INT "$bench_seconds" python3 benchmarks/gdn_kernels.py --T 16384 32768 65536 8192 --no-breakdown \
     --out "$out/gdn_kernels.md" 2>&1 | tee "$out/bench.log"
+fi
+if has packed; then
+  timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels -k "query_positions or packed" -s \
+    2>&1 | tee "$out/packed_tests.log" | grep -E "vs |errors|passed|failed|Error"
+  timeout 400 python3 benchmarks/local_attention.py --seq 32768 --kernels cudnn --documents 1024 4096 16384 \
+    --out "$out/local_attention_packed.md" 2>&1 | grep "^|"
 fi
 if has multi && [ "$gpus" -ge 2 ]; then
   timeout 900 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp_methods.py --device cuda \
