@@ -26,6 +26,7 @@ PACKED_MARK = "_cpcompile_packed"  # set by `shard_batch` on the local position 
 GLOBAL_POSITIONS = "_cpcompile_global_positions"
 TOKEN_ORDER = "_cpcompile_token_order"  # beside it: every rank's, `[1 or B, S]` rank-major (for `unshard`)
 QUERY_POSITIONS = "cp_query_positions"  # the call argument that hands the former to a Head-Tail SDPA region
+DOCUMENTS_KWARG = "cp_document_positions"  # what `DocumentFeed.hand_to_layer` adds to a layer's call
 
 
 def mark_packed(position_ids: torch.Tensor, packed: bool) -> None:
@@ -56,6 +57,17 @@ class DocumentFeed:
         packed = position_ids is not None and (not self.marked_only or getattr(position_ids, PACKED_MARK, False))
         self.positions = position_ids if packed else None
         self.global_positions = getattr(position_ids, GLOBAL_POSITIONS, None) if packed else None
+
+    def hand_to_layer(self, _module, args, kwargs):
+        """Forward pre-hook of a layer around GDN regions: its call gets this model call's packed
+        position ids as one more keyword, `cp_document_positions`, which a Hugging Face decoder layer
+        passes on to its GDN layer with its other keywords.
+
+        Why not the feed itself: activation checkpointing replays a layer's forward in the backward
+        with the arguments the forward saved, by when the model may have run another batch, whose
+        documents the feed then holds. A keyword of the layer's call is saved with the others.
+        """
+        return args, {**kwargs, DOCUMENTS_KWARG: self.positions}
 
     def follow(self, model: torch.nn.Module) -> "DocumentFeed":
         """Update from the `position_ids` keyword of every call of `model` (a forward pre-hook)."""

@@ -15,7 +15,7 @@ from .agreement import ITEM_SEPARATOR, agree, plan_fields
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
-from .documents import QUERY_POSITIONS, DocumentFeed
+from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .methods import method_spec, region_for
@@ -88,7 +88,20 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     reads_documents = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
     guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_documents)
     install_layout_guard(model, guard, documents)
+    hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents], documents)
     return model
+
+
+def hand_documents_to_layers(model: nn.Module, fqns: list[str], documents: DocumentFeed) -> None:
+    """Have the layers around regions that read the document feed (GDN) pass each call's documents
+    down as a keyword (`DocumentFeed.hand_to_layer`), so that a checkpointed layer's replay reads the
+    documents of its own forward. Only layers whose forward takes `**kwargs` (Hugging Face decoder
+    layers) can; a region called without the keyword reads the feed."""
+    for name in sorted({fqn.rpartition(".")[0] for fqn in fqns if "." in fqn}):
+        layer = model.get_submodule(name)
+        parameters = inspect.signature(layer.forward).parameters.values()
+        if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
+            layer.register_forward_pre_hook(documents.hand_to_layer, with_kwargs=True)
 
 
 def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: DocumentFeed | None = None) -> None:
@@ -257,9 +270,13 @@ class InstalledRegion:
         setattr(module, MARKER, {"fqn": self.target.fqn, "method": self.target.override.method.describe()})
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        handed = kwargs.get(DOCUMENTS_KWARG, self)  # `self`: not handed (None is: one document)
+        kwargs = {k: v for k, v in kwargs.items() if k != DOCUMENTS_KWARG}
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
-            kwargs = {**kwargs, "document_positions": self.documents.positions}
+            # whether the last call's documents came down from its layer (else: the feed's, the latest call's)
+            self.documents_handed = handed is not self
+            kwargs = {**kwargs, "document_positions": handed if self.documents_handed else self.documents.positions}
         if self.reads_global_positions and kwargs.get(QUERY_POSITIONS) is None \
                 and self.documents.global_positions is not None and torch._C._current_graph_task_id() == -1:
             raise CPInputError(
