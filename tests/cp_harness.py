@@ -189,6 +189,20 @@ def cp_outputs(make_model, batch: dict, plan: dict, *, compile_backend=None, tra
     }
 
 
+def two_forwards_one_backward(model, mesh, locals_: list[dict], reference, want: list[dict]) -> dict:
+    """Both local batches' forwards, then one backward of the summed losses (what a checkpointed
+    layer's recompute must survive), against `reference`, whose gradients accumulated both
+    batches' (`want`: each batch's reference result)."""
+    losses = [model(**local).loss for local in locals_]
+    (losses[0] + losses[1]).backward()
+    cpcompile.all_reduce_gradients(model, mesh)
+    loss = torch.stack([x.detach() for x in losses])
+    torch.distributed.all_reduce(loss, group=mesh.cp_group)
+    return {"logits": 0.0, "loss": rel(loss, torch.stack([w["loss"] for w in want])),
+            "grads": {n: rel(p.grad, reference.get_parameter(n).grad) for n, p in model.named_parameters()},
+            "missing_grads": [], "compiled": True}
+
+
 def output_errors(got: dict, want: dict) -> dict:
     """Relative errors of `cp_outputs`-shaped results (logits, loss, worst gradient)."""
     missing = sorted(set(want["grads"]) - set(got["grads"]))

@@ -15,7 +15,7 @@ import random
 import pytest
 import torch
 
-from cp_harness import assert_equivalent, cp_outputs, each_document_alone, rel
+from cp_harness import assert_equivalent, cp_outputs, each_document_alone, rel, two_forwards_one_backward
 from gdn_harness import (
     VOCAB, assert_decay_as_close_as_reference, decay_vs_truth, gdn_plan, gdn_wrapper, tiny_qwen3_5, use_reference_gdn,
     without_decay,
@@ -164,15 +164,8 @@ def _interleaved_under_checkpointing(rank: int, world: int, seed: int) -> dict:
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     locals_ = [cpcompile.shard_batch(b, mesh, plan) for b in (first, second)]
     model = cpcompile.compile(make(), mesh, plan, example_inputs=locals_[0])
-    losses = [model(**local).loss for local in locals_]
-    handed = all(layer.linear_attn.forward.documents_handed for layer in model.model.layers[:3])
-    (losses[0] + losses[1]).backward()
-    cpcompile.all_reduce_gradients(model, mesh)
-    loss = torch.stack([x.detach() for x in losses])
-    torch.distributed.all_reduce(loss, group=mesh.cp_group)
-    return {"logits": 0.0, "loss": rel(loss, torch.stack([w["loss"] for w in want])),
-            "grads": {n: rel(p.grad, reference.get_parameter(n).grad) for n, p in model.named_parameters()},
-            "missing_grads": [], "compiled": True, "handed": handed}
+    result = two_forwards_one_backward(model, mesh, locals_, reference, want)
+    return dict(result, handed=all(layer.linear_attn.forward.documents_handed for layer in model.model.layers[:3]))
 
 
 def test_checkpoint_recompute_resets_at_its_own_batch_documents():

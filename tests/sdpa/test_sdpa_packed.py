@@ -18,7 +18,7 @@ import torch
 
 from cp_harness import (
     HEAD_TAIL_WRAPPER, VOCAB, assert_equivalent, cp_outputs, each_document_alone, hybrid_wrapper, method_wrapper, rel,
-    sdpa_plan, tiny_qwen3,
+    sdpa_plan, tiny_qwen3, two_forwards_one_backward,
 )
 from dist_utils import run_distributed
 
@@ -154,14 +154,7 @@ def _interleaved_under_checkpointing(rank: int, world: int, seed: int) -> dict:
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     locals_ = [cpcompile.shard_batch(batch, mesh, plan) for batch, _ in batches]
     model = cpcompile.compile(make(), mesh, plan, example_inputs=locals_[0])
-    losses = [model(**local).loss for local in locals_]
-    (losses[0] + losses[1]).backward()
-    cpcompile.all_reduce_gradients(model, mesh)
-    got_loss = torch.stack([loss.detach() for loss in losses])
-    torch.distributed.all_reduce(got_loss, group=mesh.cp_group)
-    return {"logits": 0.0, "loss": rel(got_loss, torch.stack([w["loss"] for w in want])),
-            "grads": {n: rel(p.grad, reference.get_parameter(n).grad) for n, p in model.named_parameters()},
-            "missing_grads": [], "compiled": True}
+    return two_forwards_one_backward(model, mesh, locals_, reference, want)
 
 
 def test_checkpoint_recompute_cuts_its_own_batch_per_document():
