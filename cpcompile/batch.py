@@ -431,7 +431,8 @@ def unshard(local_tensor: torch.Tensor, mesh: Any, plan: Any, *, seq_dim: int = 
         return local_tensor
     order = getattr(batch.get("position_ids"), TOKEN_ORDER, None) if batch is not None else None
     if order is not None and seq_dim % local_tensor.dim() != 1:
-        raise CPInputError(f"unshard: a batch cut per document is restored along dim 1 (batch first), got seq_dim={seq_dim}")
+        raise CPInputError(f"unshard: a batch cut per document is restored along dim 1 (batch first), "
+                           f"got seq_dim={seq_dim}")
     if order is None and layout == HEAD_TAIL and _head_tail_per_document and batch is None:
         raise CPInputError("unshard: the latest Head-Tail batch was packed, and cut per document, so its token order "
                            "depends on the batch: pass the local batch shard_batch returned, unshard(..., batch=local)")

@@ -109,9 +109,14 @@ def _head_tail_row(positions: torch.Tensor, cp_size: int) -> torch.Tensor:
     return torch.sort(owner, stable=True).indices
 
 
-def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int,
-                               caller: str = "shard_batch: 'cu_seq_lens'") -> torch.Tensor:
+def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int) -> torch.Tensor:
     """`[1, S]` position ids restarting at each document start of `cu_seq_lens`."""
+    starts = starts_from_cu_seq_lens(cu_seq_lens, batch, seq_len, "shard_batch: 'cu_seq_lens'")
+    return positions_from_starts(starts).unsqueeze(0)
+
+
+def starts_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: int, caller: str) -> torch.Tensor:
+    """`[S]` bool: the document starts of `cu_seq_lens`, checked to describe one row of `seq_len`."""
     bounds = torch.as_tensor(cu_seq_lens).flatten().long()
     if batch != 1:
         raise CPInputError(f"{caller} describes one packed row, but the batch has {batch} rows; "
@@ -121,7 +126,7 @@ def positions_from_cu_seq_lens(cu_seq_lens: torch.Tensor, batch: int, seq_len: i
                            f"got {bounds.tolist()[:8]}{'...' if bounds.numel() > 8 else ''}")
     starts = torch.zeros(seq_len, dtype=torch.bool, device=bounds.device)
     starts[bounds[:-1]] = True
-    return positions_from_starts(starts).unsqueeze(0)
+    return starts
 
 
 def positions_from_starts(starts: torch.Tensor) -> torch.Tensor:

@@ -85,8 +85,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     schedule_async_backward(mesh, overrides)
-    reads_documents = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
-    guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_documents)
+    reads_batch_marks = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
+    guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_batch_marks)
     install_layout_guard(model, guard, documents)
     hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents], documents)
     return model

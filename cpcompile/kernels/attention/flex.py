@@ -67,8 +67,10 @@ def block_mask(key_tags: Tensor, chunk_starts: list[int], q_len: int, causal: bo
     batch, kv_len = key_tags.shape
     device = key_tags.device
     per_row = query_positions is not None  # else one `[S_q]` for every row, from the chunk starts
-    positions = query_positions.long().expand(batch, q_len) if per_row else query_positions_of(chunk_starts, q_len,
-                                                                                               device)
+    if per_row:
+        positions = query_positions.long().expand(batch, q_len)
+    else:
+        positions = query_positions_of(chunk_starts, q_len, device)
     tags = _blocks_of(key_tags, -1, kv_len)                                   # [B, nk, BLOCK], -1: padding
     key_low, key_high = _ranges(documents(tags), tags >= 0)                    # [B, nk]
     all_real = (tags >= 0).all(-1)

@@ -7,9 +7,10 @@
 2·cp−1−r; Ulysses: one chunk at 0 spanning the sequence; Hybrid: one chunk spanning its Ulysses
 group). Per-document Head-Tail, whose token order depends on the batch, gives the queries' global
 positions instead (`query_positions [B, S_q]`, rising along each row; `chunk_starts` is then
-unused) and always runs the masked path. `k, v [B, Hkv, S_kv, D]` are in global order; `key_tags [B, S_kv]` (int64) says which keys
-are real and to which document each belongs (`layout.py`). A query at position p sees key j when
-j is real, of p's document, and, if `causal`, j ≤ p.
+unused) and always runs the masked path. `k, v [B, Hkv, S_kv, D]` are in global order;
+`key_tags [B, S_kv]` (int64) says which keys are real and to which document each belongs
+(`layout.py`). A query at position p sees key j when j is real, of p's document, and, if
+`causal`, j ≤ p.
 
 Every rank has the key tags of every rank (a rank without padding of its own still attends to
 other ranks' padding and documents), so whether a step has padded keys or several documents is

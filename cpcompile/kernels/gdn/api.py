@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ...documents import positions_from_cu_seq_lens
+from ...documents import starts_from_cu_seq_lens
 from ...errors import CPInputError
 from .common import CHUNK_SIZE, check_backend, reset_decay_at_starts
 
@@ -26,8 +26,8 @@ def _document_starts(cu_seqlens: Tensor | None, q: Tensor, initial_state: Tensor
     if initial_state is not None or output_final_state:
         raise CPInputError("chunk_gated_delta_rule: with cu_seqlens, per-document initial and final states are not "
                            "offered; pass initial_state=None and output_final_state=False")
-    positions = positions_from_cu_seq_lens(cu_seqlens, q.shape[0], q.shape[1], "chunk_gated_delta_rule: cu_seqlens")
-    return (positions == 0).to(q.device)
+    starts = starts_from_cu_seq_lens(cu_seqlens, q.shape[0], q.shape[1], "chunk_gated_delta_rule: cu_seqlens")
+    return starts[None].to(q.device)
 
 
 def chunk_gated_delta_rule(

@@ -51,7 +51,8 @@ def rewrite_p2p_triton(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) ->
     q, k, v, g, beta = match.inputs
     if match.starts is not None:
         g = emit(reset_decay_at_starts, g, match.starts)
-    fused = emit.core(GDN_P2P_CHUNK, q, k, v, g, beta, match.scale, match.chunk_size, ctx.group_name, ctx.cp_rank, ctx.cp_size)
+    fused = emit.core(GDN_P2P_CHUNK, q, k, v, g, beta, match.scale, match.chunk_size, ctx.group_name, ctx.cp_rank,
+                      ctx.cp_size)
     match.replace_with(gm, emit(operator.getitem, fused, 0))
     note_once(ctx, f"state chain: inside cpcompile::gdn_p2p_chunk (isend/irecv of one fp32 state per step, "
                    f"{ctx.cp_size - 1} steps forward and backward)")

@@ -165,8 +165,8 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
                          query_positions: fx.Node | None = None) -> fx.Node:
     """The attention a rank computes after its collectives (`kernels.attention.local_attention`):
     `query` in equal chunks at global `chunk_starts` (or at `query_positions [B, S_q]`),
-    `key`/`value` and `key_tags [B, S]` in global order. The kernels are chosen here, from the traced device and dtype, and named in the
-    dump; nothing `[S_q, S_kv]` is built."""
+    `key`/`value` and `key_tags [B, S]` in global order. The kernels are chosen here, from the
+    traced device and dtype, and named in the dump; nothing `[S_q, S_kv]` is built."""
     if match.dropout_p:
         raise CPInputError(f"{ctx.fqn}: attention dropout ({match.dropout_p}) is not supported by CP's local "
                            "attention kernels; set the model's attention dropout to 0")

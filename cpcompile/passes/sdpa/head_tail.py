@@ -15,10 +15,10 @@ backward (the gathers become reduce-scatters).
 A packed batch is cut per document instead (`documents.per_document_head_tail`): every rank holds
 a head and a tail piece of every document, so the rank's token positions depend on the batch and
 reach the region as one more input (`cp_query_positions`, `[B, S_local]`, rising; read off the
-attention's `position_ids`, `adapters/sdpa.py`). Then K, V, the
-key tags and those positions are all-gathered, the keys are put in global order by sorting the
-gathered positions (a gather, O(S)), and `local_attention` runs its masked path at the given query
-positions. The call without that input (one document per row) keeps the static chunks above.
+attention's `position_ids`, `adapters/sdpa.py`). Then K, V, the key tags and those positions are
+all-gathered, the keys are put in global order by sorting the gathered positions (a gather, O(S)),
+and `local_attention` runs its masked path at the given query positions. The call without that
+input (one document per row) keeps the static chunks above.
 """
 from __future__ import annotations
 
