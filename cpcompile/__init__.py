@@ -12,7 +12,7 @@ from .errors import (
     MissingDependencyError, PlanError, UnsupportedError, UnsupportedMaskError, VerificationError,
 )
 from .loss import all_reduce_gradients, global_mean_loss
-from .mesh import CPMesh, build_mesh
+from .mesh import CPMesh, build_mesh, release_process_group
 from . import primitives
 from .methods import CPMethod, allow_wrapper_module, inner_wrapper, register_inner_wrapper
 from .methods.local_compute import local_compute_fn
@@ -24,7 +24,7 @@ __all__ = [
     "CPMethod", "CoverageError", "GDNCapabilityError", "MissingDependencyError", "Override", "Plan", "PlanError",
     "UnsupportedError", "UnsupportedMaskError", "VerificationError", "all_reduce_gradients", "allow_wrapper_module",
     "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "local_compute_fn", "primitives",
-    "register_inner_wrapper",
+    "register_inner_wrapper", "release_process_group",
     "shard_batch", "unshard",
 ]
 __version__ = "0.1.0"

@@ -91,6 +91,7 @@ def _run(args) -> int:
 
     import torch.distributed as dist
 
+    from .mesh import release_process_group
     from .trainer import dry_run, load_train_config, train
 
     config = load_train_config(args.config)
@@ -109,9 +110,7 @@ def _run(args) -> int:
             rows = bench(config, args.warmup, args.repeat, args.full_sequence)
             if dist.get_rank() == 0:
                 print(table(rows, config, args.warmup, args.repeat))
-        # every rank past its last collective before any tears the group down: a rank that
-        # destroys it while a peer's gloo work is still in flight aborts the process
-        dist.barrier()
+        release_process_group()  # every rank past its last collective before the group goes
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

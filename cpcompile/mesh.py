@@ -191,3 +191,15 @@ def _ensure_process_group(device_type: str) -> bool:
         )
     dist.init_process_group(backend, init_method="env://")
     return True
+
+
+def release_process_group() -> None:
+    """End a run's default process group: every rank at a barrier first, then destroy it.
+
+    A rank that destroys the group (or exits) while a peer's last gloo work is still in flight
+    aborts that peer ("terminate called without an active exception"), about one torchrun run in
+    six on the 2-core CI box. Call it after the last collective of a run that succeeded; on an
+    error, destroy without the barrier (a failed peer would never reach it)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
