@@ -189,15 +189,22 @@ def test_p2p_output_rejects_other_hstride(monkeypatch):
 
 
 @cpu_only
-def test_l2norm_op_matches_torch():
-    x = torch.randn(2, 50, 3, 64, dtype=torch.float64).float().requires_grad_()
-    y = torch.ops.cpcompile.gdn_l2norm(x)[0]
-    xr = x.detach().double().requires_grad_()
-    yr = xr * torch.rsqrt((xr * xr).sum(-1, keepdim=True) + 1e-6)
-    dy = torch.randn_like(y)
-    y.backward(dy)
-    yr.backward(dy.double())
-    assert _rel(y, yr) < 1e-6 and _rel(x.grad, xr.grad) < 1e-5
+def test_l2norm_inside_the_op_matches_torch():
+    """q/k normalised inside cpcompile::gdn_chunk_fwd (forward kernel, backward finished in the last
+    backward kernel) equals the formula in float64, forward and backward, with grouped heads."""
+    q, k, v, g, beta, _ = _inputs(1, 70, 1, 2, 16, 16, torch.float32, seed=12)
+    q, k = q * 3.0, k * 0.5  # not unit rows: the norm matters
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta)]
+    o = torch.ops.cpcompile.gdn_chunk_fwd(*leaves, None, 0.25, True)[0]
+    ref_leaves = [x.detach().double().requires_grad_() for x in (q, k, v, g, beta)]
+    qr, kr = (x * torch.rsqrt((x * x).sum(-1, keepdim=True) + 1e-6) for x in ref_leaves[:2])
+    orf = chunk_gated_delta_rule_eager(qr, kr, *ref_leaves[2:], scale=0.25)[0]
+    do = torch.randn_like(o)
+    o.backward(do)
+    orf.backward(do.double())
+    assert _rel(o, orf) < 1e-5
+    for a, b in zip(leaves, ref_leaves):
+        assert _rel(a.grad, b.grad) < 1e-4
 
 
 @cpu_only
@@ -205,16 +212,16 @@ def test_opcheck_custom_ops():
     q, k, v, g, beta, state = _inputs(1, 70, 1, 2, 16, 16, torch.float32, seed=11, h0=True)
     leaves = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
     torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_fwd.default, (*leaves, 0.25))
-    o, ht, gc, w, u, tinv = torch.ops.cpcompile.gdn_chunk_fwd(*[x.detach() for x in leaves], 0.25)
+    torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_fwd.default, (*leaves, 0.25, True))
+    o, ht, gc, w, u, tinv, *_ = torch.ops.cpcompile.gdn_chunk_fwd(*[x.detach() for x in leaves], 0.25)
+    qn, kn, q_rstd, k_rstd = torch.ops.cpcompile.gdn_chunk_fwd(*[x.detach() for x in leaves], 0.25, True)[6:]
     det = [x.detach() for x in (q, k, v, g, beta, state)]
     torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_bwd.default,
                           (*det, gc, w, u, tinv, torch.randn_like(o), torch.randn_like(ht), 0.25))
     torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_bwd.default,
                           (*det[:5], None, gc, w, u, tinv, torch.randn_like(o), None, 0.25))
-    x = torch.randn(1, 70, 3, 32, requires_grad=True)
-    torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm.default, (x,))
-    y, rstd = torch.ops.cpcompile.gdn_l2norm(x.detach())
-    torch.library.opcheck(torch.ops.cpcompile.gdn_l2norm_bwd.default, (x.detach(), rstd, torch.randn_like(y)))
+    torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_bwd.default,
+                          (qn, kn, *det[2:5], None, gc, w, u, tinv, torch.randn_like(o), None, 0.25, q_rstd, k_rstd))
     s = torch.ops.cpcompile_test.gdn_p2p_fwd_summary(*det[1:5])
     torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_fwd_summary.default, tuple(det[1:5]))
     torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_fwd_output.default, (det[0], det[1], *s[2:5], s[6], det[5], 0.25))

@@ -169,6 +169,31 @@ def gdn_fwd_prepare_kernel(
 
 
 @triton.jit
+def _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, u_col0,
+                    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NS: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, HS: tl.constexpr, STORE_VN: tl.constexpr,
+                    WITH_U: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The chunk loop of ``gdn_fwd_state_kernel`` for state columns ``[col0, +BV)``; ``WITH_U``: they
+    are value columns, fed by u's columns ``[u_col0, +BV)``. -> the final state block."""
+    for i_t in range(NT):
+        if i_t % HS == 0:
+            p_hs = _mat_ptr(st_base + (i_t // HS) * (Hv * K * NS), NS, col0, K, BV)
+            tl.store(p_hs, b_h.to(st_base.dtype.element_ty))
+        b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
+        b_vn = -_mm(b_w, b_h.to(b_w.dtype), PREC, UPCAST)
+        if WITH_U:
+            b_vn += _tok_load(u, i_b, i_h, T, Hv, V, i_t, u_col0, BT, BV).to(tl.float32)
+        if STORE_VN:
+            _tok_store(vnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_vn.to(vnbuf.dtype.element_ty))
+        b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+        # (D k)^T vn == k^T (D vn): scale the small [BT, BV] tile, feed k to the dot untouched
+        b_vd = b_vn * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
+        b_h = b_h * tl.exp(b_gl) + _mm(tl.trans(b_k), b_vd.to(b_k.dtype), PREC, UPCAST)
+    return b_h
+
+
+@triton.jit
 def gdn_fwd_state_kernel(
     k, w, u, gc, h0, hbuf, vnbuf, ht,
     T, NT,
@@ -200,22 +225,18 @@ def gdn_fwd_state_kernel(
             b_h = tl.load(p_h0).to(tl.float32)
 
     st_base = hbuf + i_b.to(tl.int64) * NG * Hv * K * NS + i_h * K * NS
-    for i_t in range(NT):
-        if i_t % HS == 0:
-            p_hs = _mat_ptr(st_base + (i_t // HS) * (Hv * K * NS), NS, col0, K, BV)
-            tl.store(p_hs, b_h.to(hbuf.dtype.element_ty))
-        b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
-        b_vn = -_mm(b_w, b_h.to(b_w.dtype), PREC, UPCAST)
-        if col0 >= NX:
-            b_u = _tok_load(u, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV)
-            b_vn += b_u.to(tl.float32)
-        if STORE_VN:
-            _tok_store(vnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_vn.to(vnbuf.dtype.element_ty))
-        b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
-        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-        # (D k)^T vn == k^T (D vn): scale the small [BT, BV] tile, feed k to the dot untouched
-        b_vd = b_vn * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
-        b_h = b_h * tl.exp(b_gl) + _mm(tl.trans(b_k), b_vd.to(b_k.dtype), PREC, UPCAST)
+    # the value columns read u, the identity columns of an augmented pass do not: the branch sits
+    # outside the loop, since a run-time branch around a load inside it keeps that load out of
+    # Triton's software pipeline
+    if NX == 0:
+        b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, col0,
+                              Hk, Hv, K, V, NS, BT, BV, HS, STORE_VN, True, PREC, UPCAST)
+    elif col0 >= NX:
+        b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, col0 - NX,
+                              Hk, Hv, K, V, NS, BT, BV, HS, STORE_VN, True, PREC, UPCAST)
+    else:
+        b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, 0,
+                              Hk, Hv, K, V, NS, BT, BV, HS, STORE_VN, False, PREC, UPCAST)
 
     p_ht = _mat_ptr(ht + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV)
     tl.store(p_ht, b_h)
@@ -339,6 +360,35 @@ def gdn_bwd_dv_local_kernel(
 
 
 @triton.jit
+def _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0, o_col0,
+                    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NS: tl.constexpr,
+                    BT: tl.constexpr, BV: tl.constexpr, WITH_OUT: tl.constexpr, PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """The reverse chunk loop of ``gdn_bwd_state_kernel`` for state columns ``[col0, +BV)``;
+    ``WITH_OUT``: they are value columns, fed by the outputs' gradient (``dvl`` and ``do`` columns
+    ``[o_col0, +BV)``). -> the gradient of the entering state block."""
+    for i_r in range(NT):
+        i_t = NT - 1 - i_r
+        p_s = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
+        tl.store(p_s, b_dh.to(st_base.dtype.element_ty))
+        b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+        dt = b_k.dtype
+        b_dvn = _mm(b_k, b_dh.to(dt), PREC, UPCAST) * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
+        b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
+        b_dh = b_dh * tl.exp(b_gl)
+        if WITH_OUT:
+            b_dvn += _tok_load(dvl, i_b, i_h, T, Hv, V, i_t, o_col0, BT, BV).to(tl.float32)
+            b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
+            b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, o_col0, BT, BV).to(tl.float32)
+            b_dog = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(dt)
+            b_dh += _mm(tl.trans(b_q), b_dog, PREC, UPCAST)
+        _tok_store(dvnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_dvn.to(dvnbuf.dtype.element_ty))
+        b_dh -= _mm(tl.trans(b_w), b_dvn.to(dt), PREC, UPCAST)
+    return b_dh
+
+
+@triton.jit
 def gdn_bwd_state_kernel(
     q, k, w, gc, do, dvl, dht, dhbuf, dvnbuf, dh0, scale,
     T, NT,
@@ -369,24 +419,17 @@ def gdn_bwd_state_kernel(
             b_dh = tl.load(p).to(tl.float32)
 
     st_base = dhbuf + i_b.to(tl.int64) * NT * Hv * K * NS + i_h * K * NS
-    for i_r in range(NT):
-        i_t = NT - 1 - i_r
-        p_s = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
-        tl.store(p_s, b_dh.to(dhbuf.dtype.element_ty))
-        b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
-        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-        dt = b_k.dtype
-        b_dvn = _mm(b_k, b_dh.to(dt), PREC, UPCAST) * tl.where(m_t, tl.exp(b_gl - b_gc), 0.0)[:, None]
-        b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
-        b_dh = b_dh * tl.exp(b_gl)
-        if col0 >= NX:
-            b_dvn += _tok_load(dvl, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV).to(tl.float32)
-            b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-            b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, col0 - NX, BT, BV).to(tl.float32)
-            b_dog = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(dt)
-            b_dh += _mm(tl.trans(b_q), b_dog, PREC, UPCAST)
-        _tok_store(dvnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_dvn.to(dvnbuf.dtype.element_ty))
-        b_dh -= _mm(tl.trans(b_w), b_dvn.to(dt), PREC, UPCAST)
+    # value columns take the outputs' gradient, identity columns do not (branch outside the loop,
+    # as in the forward state pass)
+    if NX == 0:
+        b_dh = _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0, col0,
+                               Hk, Hv, K, V, NS, BT, BV, True, PREC, UPCAST)
+    elif col0 >= NX:
+        b_dh = _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0,
+                               col0 - NX, Hk, Hv, K, V, NS, BT, BV, True, PREC, UPCAST)
+    else:
+        b_dh = _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0, 0,
+                               Hk, Hv, K, V, NS, BT, BV, False, PREC, UPCAST)
 
     p0 = _mat_ptr(dh0 + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV)
     tl.store(p0, b_dh)
@@ -394,17 +437,19 @@ def gdn_bwd_state_kernel(
 
 @triton.jit
 def gdn_bwd_inter_kernel(
-    q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, dhout, du_out, dq_out, dk_out, dw_out, dgc_out, scale,
+    q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dhout, du_out, dq_out, dk_out, dw_out, dgc_out, scale,
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    NSH: tl.constexpr, NY: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
+    NY: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
     PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Per (chunk, batch*head): dq, dk (output and state terms), dw and the gate-gradient terms
     that need the state, looping over value blocks. Parallel over chunks.
 
-    ``hbuf``/``vnbuf`` (width ``NSH``, true states in the last V columns) come from a plain state
-    pass; ``dhbuf``/``dvnbuf`` (width ``NY + V``) from the backward state pass. With ``NY > 0`` they
+    ``hbuf`` (the entering states) comes from a plain state pass run without storing its updates:
+    they are rebuilt here as ``vn = u - w h`` from the same bf16 state the pass multiplied, which
+    costs one dot per value block and saves a [B,T,Hv,V] buffer (its write and its read).
+    ``dhbuf``/``dvnbuf`` (width ``NY + V``) come from the backward state pass. With ``NY > 0`` they
     hold zero-``dhout`` gradients plus transposed suffix products, and the true ones are rebuilt
     as ``dh = dh0 + Y dhout``, ``dvn = dvn0 + dvnY dhout``; the rebuilt dvn is written to ``du_out``.
     """
@@ -419,7 +464,8 @@ def gdn_bwd_inter_kernel(
     dt = b_q.dtype
     b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
 
-    sh = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NSH + i_h * K * NSH
+    b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
+    sh = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * V + i_h * K * V
     sd = dhbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NSY + i_h * K * NSY
     if NY > 0:
         b_y = tl.load(_mat_ptr(sd, NSY, 0, K, NY)).to(dt)
@@ -432,8 +478,8 @@ def gdn_bwd_inter_kernel(
     b_hdh = tl.full([K, BV], 0.0, tl.float32)
     for i_v in range(V // BV):
         c0 = i_v * BV
-        b_h = tl.load(_mat_ptr(sh, NSH, NSH - V + c0, K, BV))
-        b_vn = _tok_load(vnbuf, i_b, i_h, T, Hv, NSH, i_t, NSH - V + c0, BT, BV)
+        b_h = tl.load(_mat_ptr(sh, V, c0, K, BV)).to(dt)
+        b_vn = _tok_load(u, i_b, i_h, T, Hv, V, i_t, c0, BT, BV).to(tl.float32) - _mm(b_w, b_h, PREC, UPCAST)
         b_dh = tl.load(_mat_ptr(sd, NSY, NY + c0, K, BV)).to(tl.float32)
         b_dvn = _tok_load(dvnbuf, i_b, i_h, T, Hv, NSY, i_t, NY + c0, BT, BV).to(tl.float32)
         if NY > 0:
@@ -443,7 +489,6 @@ def gdn_bwd_inter_kernel(
             b_dvn += _mm(b_vy, b_dho, PREC, UPCAST)
             _tok_store(du_out, i_b, i_h, T, Hv, V, i_t, c0, BT, BV, b_dvn.to(du_out.dtype.element_ty))
         b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, c0, BT, BV)
-        b_h = b_h.to(dt)
         b_vn = b_vn.to(dt)
         b_ds += _mm(b_do.to(dt), tl.trans(b_vn), PREC, UPCAST)
         b_dq += _mm(b_do.to(dt), tl.trans(b_h), PREC, UPCAST)
@@ -472,25 +517,29 @@ def gdn_bwd_inter_kernel(
     b_dgc += tl.where(o_i == last, b_dgl, 0.0)
     b_dk += _mm(tl.trans(b_dsc), b_q, PREC, UPCAST)
 
-    _tok_store(dq_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dq)
+    _tok_store(dq_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dq.to(dq_out.dtype.element_ty))
     _tok_store(dk_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dk)
-    _tok_store(dw_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, -b_dw)
+    _tok_store(dw_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, (-b_dw).to(dw_out.dtype.element_ty))
     o_t = i_t * BT + o_i
     tl.store(dgc_out + i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h, b_dgc, mask=m_t)
 
 
 @triton.jit
 def gdn_bwd_wy_kernel(
-    k, v, beta, gc, tinv, dw, du, dk, dgc, dT_out, dv_out, dbeta_out,
+    k, v, beta, gc, tinv, dw, du, dkv, dgc, dv_out, dbeta_out, dg_out,
     T, DU_STRIDE, DU_OFF,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Back through w = Tinv (beta exp(gc) k) and u = Tinv (beta v): dv, partial dbeta, the w-terms
-    of dk and d(gc) (accumulated in place into ``dk``/``dgc``), and d(Tinv) (``dT_out``, fp32).
+    """Per (chunk, value head), back through prepare: w = Tinv (beta exp(gc) k), u = Tinv (beta v),
+    Tinv = (I + A)^-1, A = strictly_lower(beta_i E_ij k_i.k_j). Stores dv, dbeta and dg (the in-chunk
+    reverse cumsum of the finished d(gc)); adds the w- and A-terms of dk into ``dkv`` in place (fp32,
+    per value head, holding ``bwd_inter``'s terms).
 
-    ``du`` rows have stride ``DU_STRIDE`` (elements per token per head) and start at ``DU_OFF``, so
-    d(vn) can be read in place from the backward state pass buffer. Dot operands use the token dtype.
+    K and V are walked in ``BC``-wide column blocks: d(Tinv) and k k^T collect over them, so no tile
+    is wider than ``BC`` (the whole-row version spilled registers and ran twice as long). ``du`` rows
+    have stride ``DU_STRIDE`` (elements per token per head) and start at ``DU_OFF``, so d(vn) is read
+    in place from the backward state pass buffer. Dot operands use the token dtype.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
@@ -499,74 +548,84 @@ def gdn_bwd_wy_kernel(
     o_t = i_t * BT + o_i
     m_t = o_t < T
     row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
-
-    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-    dt = b_k.dtype
-    b_v = _tok_load(v, i_b, i_h, T, Hv, V, i_t, 0, BT, V)
+    dt = k.dtype.element_ty
     b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
     b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
     b_egc = tl.exp(b_gc)
-    b_Tt = tl.trans(_tok_load(tinv, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT).to(dt))
+    b_T = tl.trans(_tok_load(tinv, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT))  # Tinv^T, fp32
+    b_Tc = b_T.to(dt)
 
-    b_dw = _tok_load(dw, i_b, i_h, T, Hv, K, i_t, 0, BT, K).to(dt)
-    b_kb = (b_k.to(tl.float32) * (b_beta * b_egc)[:, None]).to(dt)
-    b_dT = _mm(b_dw, tl.trans(b_kb), PREC, UPCAST)
-    b_dkb = _mm(b_Tt, b_dw, PREC, UPCAST)
-    b_dbeta = _rsum(b_dkb * b_k.to(tl.float32) * b_egc[:, None], axis=1)
-    b_dkw = b_dkb * (b_beta * b_egc)[:, None]
-    _tok_store(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K, _tok_load(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K) + b_dkw)
-    b_dgc = tl.load(dgc + row, mask=m_t, other=0.0) + _rsum(b_dkw * b_k.to(tl.float32), axis=1)
-    tl.store(dgc + row, b_dgc, mask=m_t)
+    # through w: dTinv += dw (beta exp(gc) k)^T, d(beta exp(gc) k) = Tinv^T dw
+    b_dT = tl.full([BT, BT], 0.0, tl.float32)
+    b_kk = tl.full([BT, BT], 0.0, tl.float32)
+    b_kdkb = tl.full([BT], 0.0, tl.float32)
+    for i_c in tl.static_range(K // BC):
+        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, i_c * BC, BT, BC)
+        b_kk += _mm(b_k, tl.trans(b_k), PREC, UPCAST)
+        b_dw = _tok_load(dw, i_b, i_h, T, Hv, K, i_t, i_c * BC, BT, BC).to(dt)
+        b_kb = (b_k.to(tl.float32) * (b_beta * b_egc)[:, None]).to(dt)
+        b_dT += _mm(b_dw, tl.trans(b_kb), PREC, UPCAST)
+        b_dkb = _mm(b_Tc, b_dw, PREC, UPCAST)
+        b_kdkb += _rsum(b_dkb * b_k.to(tl.float32), axis=1)
+        b_dk = _tok_load(dkv, i_b, i_h, T, Hv, K, i_t, i_c * BC, BT, BC) + b_dkb * (b_beta * b_egc)[:, None]
+        _tok_store(dkv, i_b, i_h, T, Hv, K, i_t, i_c * BC, BT, BC, b_dk)
+    b_dbeta = b_kdkb * b_egc
+    b_dgc = tl.load(dgc + row, mask=m_t, other=0.0) + b_kdkb * b_beta * b_egc
 
-    b_du = _tok_load(du, i_b, i_h, T, Hv, DU_STRIDE, i_t, DU_OFF, BT, V).to(dt)
-    b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
-    b_dT += _mm(b_du, tl.trans(b_vb), PREC, UPCAST)
-    b_dvb = _mm(b_Tt, b_du, PREC, UPCAST)
-    _tok_store(dv_out, i_b, i_h, T, Hv, V, i_t, 0, BT, V, (b_dvb * b_beta[:, None]).to(dv_out.dtype.element_ty))
-    b_dbeta += _rsum(b_dvb * b_v.to(tl.float32), axis=1)
+    # through u: dTinv += du (beta v)^T, d(beta v) = Tinv^T du
+    for i_c in tl.static_range(V // BC):
+        b_du = _tok_load(du, i_b, i_h, T, Hv, DU_STRIDE, i_t, DU_OFF + i_c * BC, BT, BC).to(dt)
+        b_v = _tok_load(v, i_b, i_h, T, Hv, V, i_t, i_c * BC, BT, BC)
+        b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
+        b_dT += _mm(b_du, tl.trans(b_vb), PREC, UPCAST)
+        b_dvb = _mm(b_Tc, b_du, PREC, UPCAST)
+        _tok_store(dv_out, i_b, i_h, T, Hv, V, i_t, i_c * BC, BT, BC,
+                   (b_dvb * b_beta[:, None]).to(dv_out.dtype.element_ty))
+        b_dbeta += _rsum(b_dvb * b_v.to(tl.float32), axis=1)
+
+    # through Tinv: dA = -Tinv^T dTinv Tinv^T, kept on the strictly lower part
+    b_dA = -_mm(_mm(b_T, b_dT, PREC, UPCAST), b_T, PREC, UPCAST)
+    lower = o_i[:, None] > o_i[None, :]
+    b_dAE = tl.where(lower, b_dA * tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.0)), 0.0)
+    b_dbeta += _rsum(b_dAE * b_kk, axis=1)
+    b_dAb = b_dAE * b_beta[:, None]
+    b_z = b_dAb * b_kk
+    b_dgc += _rsum(b_z, axis=1) - _rsum(b_z, axis=0)
+    # A's two factors of k: dk += (dA_b + dA_b^T) k, summed in fp32 and rounded once for the dot
+    b_dAs = (b_dAb + tl.trans(b_dAb)).to(dt)
+    for i_c in tl.static_range(K // BC):
+        b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, i_c * BC, BT, BC)
+        b_dk = _tok_load(dkv, i_b, i_h, T, Hv, K, i_t, i_c * BC, BT, BC) + _mm(b_dAs, b_k, PREC, UPCAST)
+        _tok_store(dkv, i_b, i_h, T, Hv, K, i_t, i_c * BC, BT, BC, b_dk)
     tl.store(dbeta_out + row, b_dbeta, mask=m_t)
-    _tok_store(dT_out, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT, b_dT)
+    # gc = in-chunk cumsum of g  =>  dg_t = sum_{i >= t} dgc_i
+    tl.store(dg_out + row, _chunk_cumsum(b_dgc, BT, True), mask=m_t)
 
 
 @triton.jit
-def gdn_bwd_tri_kernel(
-    k, beta, gc, tinv, dT, dk, dgc, dbeta, dg_out,
-    T,
-    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
-    BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Back through Tinv = (I + A)^-1, A = strictly_lower(beta_i E_ij k_i.k_j): the A-terms of dk,
-    dbeta, d(gc) (in place), then dg = in-chunk reverse cumsum of d(gc)."""
-    i_t, i_bh = tl.program_id(0), tl.program_id(1)
-    i_b, i_h = i_bh // Hv, i_bh % Hv
-    i_hk = i_h // (Hv // Hk)
-    o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
-
-    b_Tt = tl.trans(_tok_load(tinv, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT))
-    b_dT = _tok_load(dT, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT)
-    # Tinv = (I + A)^-1  =>  dA = -Tinv^T dTinv Tinv^T, kept on the strictly lower part
-    b_dA = -_mm(_mm(b_Tt, b_dT, PREC, UPCAST), b_Tt, PREC, UPCAST)
-    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
-    b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
-    lower = o_i[:, None] > o_i[None, :]
-    b_E = tl.exp(tl.where(lower, b_gc[:, None] - b_gc[None, :], 0.0))
-    b_dAE = tl.where(lower, b_dA * b_E, 0.0)
-    b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
-    b_kk = _mm(b_k, tl.trans(b_k), PREC, UPCAST)
-    b_dbeta = tl.load(dbeta + row, mask=m_t, other=0.0) + _rsum(b_dAE * b_kk, axis=1)
-    tl.store(dbeta + row, b_dbeta, mask=m_t)
-    b_dAb = b_dAE * b_beta[:, None]
-    b_z = b_dAb * b_kk
-    b_dgc = tl.load(dgc + row, mask=m_t, other=0.0) + _rsum(b_z, axis=1) - _rsum(b_z, axis=0)
-    b_dAbc = b_dAb.to(b_k.dtype)
-    b_dkA = _mm(b_dAbc, b_k, PREC, UPCAST) + _mm(tl.trans(b_dAbc), b_k, PREC, UPCAST)
-    _tok_store(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K, _tok_load(dk, i_b, i_h, T, Hv, K, i_t, 0, BT, K) + b_dkA)
-    # gc = in-chunk cumsum of g  =>  dg_t = sum_{i >= t} dgc_i
-    b_dg = _chunk_cumsum(b_dgc, BT, True)
-    tl.store(dg_out + row, b_dg, mask=m_t)
+def gdn_bwd_qk_finish_kernel(q, k, dqv, dkv, q_rstd, k_rstd, dq_out, dk_out, N,
+                             Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, BR: tl.constexpr,
+                             L2NORM: tl.constexpr):
+    """Rows ``(b, t, key head)``: dq and dk as the sums of their value heads' fp32 terms and, with
+    ``L2NORM``, through the q/k L2 norm (``q``/``k`` the normalised inputs, ``*_rstd`` their rstd:
+    ``dx = r (dy - y (y . dy))``), in fp32 before the one store in the output dtype."""
+    G: tl.constexpr = Hv // Hk
+    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    m = (rows < N)[:, None]
+    cols = tl.arange(0, K)[None, :]
+    vrows = (rows // Hk).to(tl.int64) * Hv + (rows % Hk) * G  # first value head of each row's key head
+    off = rows.to(tl.int64)[:, None] * K + cols
+    for which in tl.static_range(2):
+        src = dqv if which == 0 else dkv
+        b_d = tl.full([BR, K], 0.0, tl.float32)
+        for i_g in tl.static_range(G):
+            b_d += tl.load(src + (vrows + i_g)[:, None] * K + cols, mask=m, other=0.0)
+        if L2NORM:
+            b_y = tl.load((q if which == 0 else k) + off, mask=m, other=0.0).to(tl.float32)
+            b_r = tl.load((q_rstd if which == 0 else k_rstd) + rows, mask=rows < N, other=0.0)
+            b_d = b_r[:, None] * (b_d - b_y * _rsum(b_y * b_d, axis=1)[:, None])
+        dst = dq_out if which == 0 else dk_out
+        tl.store(dst + off, b_d.to(dst.dtype.element_ty), mask=m)
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm
@@ -582,16 +641,3 @@ def gdn_l2norm_fwd_kernel(x, y, rstd, N, eps, D: tl.constexpr, BR: tl.constexpr)
     b_r = tl.rsqrt(_rsum(b_x * b_x, axis=1) + eps)
     tl.store(y + off, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m[:, None])
     tl.store(rstd + rows, b_r, mask=m)
-
-
-@triton.jit
-def gdn_l2norm_bwd_kernel(x, rstd, dy, dx, N, D: tl.constexpr, BR: tl.constexpr):
-    """``dx = r (dy - y (y . dy))`` with ``y = x r`` recomputed in fp32."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
-    m = rows < N
-    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
-    b_r = tl.load(rstd + rows, mask=m, other=0.0)
-    b_y = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32) * b_r[:, None]
-    b_dy = tl.load(dy + off, mask=m[:, None], other=0.0).to(tl.float32)
-    b_dx = b_r[:, None] * (b_dy - b_y * _rsum(b_dy * b_y, axis=1)[:, None])
-    tl.store(dx + off, b_dx.to(dx.dtype.element_ty), mask=m[:, None])

@@ -18,10 +18,13 @@ from ....errors import CPInputError
 from ..common import CHUNK_SIZE, L2NORM_EPS
 from . import kernels as _k
 
-# num_warps / num_stages per kernel (tuned on an H200, see benchmarks/); benchmarks may override.
-NUM_WARPS = {"prepare": 4, "state": 8, "state_aug": 4, "output": 4, "p2p_output": 4, "dv_local": 4, "bwd_state": 4,
-             "inter": 8, "bwd_wy": 8, "bwd_tri": 4}
-NUM_STAGES = {"state": 3, "state_aug": 3, "bwd_state": 3, "inter": 3, "p2p_output": 1}
+# num_warps / num_stages per kernel; benchmarks may override. "*_aug" are the augmented (K + V wide)
+# state passes of State-P2P. Tuned on an H200 at T=16K (`benchmarks/gdn_kernels.py --tune`,
+# results/gdn_kernels_2026-12-01_NVIDIA-H200.md): the plain state pass 4 warps (0.565 ms, 8: 0.584),
+# the augmented backward one 8 (1.139 ms, 4: 1.387), the prepare backward 4 (8 spilled: 1.395 vs 1.198).
+NUM_WARPS = {"prepare": 4, "state": 4, "state_aug": 8, "output": 2, "p2p_output": 4, "dv_local": 2, "bwd_state": 4,
+             "bwd_state_aug": 8, "inter": 8, "bwd_wy": 4}
+NUM_STAGES = {"state": 3, "state_aug": 3, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3, "p2p_output": 1}
 
 
 def _stages(name: str, dtype: torch.dtype, wide: bool = False) -> int:
@@ -52,8 +55,7 @@ def triton_cdiv(a: int, b: int) -> int:
 
 # value-column block of the chunk-sequential state passes (more blocks = more CTAs in flight);
 # the augmented (K+V wide) passes already have twice the blocks. Tuned on an H200 at T=16K.
-STATE_BV = 32
-STATE_BV_AUG = 64
+STATE_BV = {"state": 32, "state_aug": 64, "bwd_state": 32, "bwd_state_aug": 64}
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
 # State-P2P: chunks per stored summary state (the output steps the state through the others) and
@@ -79,8 +81,8 @@ def _p2p_output_bv(V: int, dtype: torch.dtype) -> int:
     return min(P2P_OUTPUT_BV, V, 64 if dtype == torch.float32 else V)
 
 
-def _state_bv(K: int, V: int, augmented: bool = False) -> int:
-    return min(STATE_BV_AUG if augmented else STATE_BV, K, V)
+def _state_bv(key: str, K: int, V: int) -> int:
+    return min(STATE_BV[key], K, V)
 
 
 # ----------------------------------------------------------------------------- forward pieces
@@ -108,7 +110,8 @@ def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, nx
     """
     B, T, Hk, Hv, K, V, NT = _dims(None, k, u)
     NS = nx + V
-    BV, key = _state_bv(K, V, nx > 0), "state_aug" if nx else "state"
+    key = "state_aug" if nx else "state"
+    BV = _state_bv(key, K, V)
     hbuf = torch.empty(B, triton_cdiv(NT, hstride), Hv, K, NS, device=k.device, dtype=k.dtype)
     vnbuf = torch.empty(B, T, Hv, NS, device=k.device, dtype=k.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, NS, device=k.device, dtype=torch.float32)
@@ -172,81 +175,89 @@ def bwd_dv_local(q, k, gc, do, scale):
 
 
 def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0):
-    """Reverse state pass -> (dhbuf [B,NT,Hv,K,ny+V] grads of leaving states, dvnbuf fp32 [B,T,Hv,ny+V],
-    dh0 fp32 [B,Hv,K,ny+V]). ``ny = K`` carries the transposed suffix products beside them."""
+    """Reverse state pass -> (dhbuf [B,NT,Hv,K,ny+V] grads of leaving states, dvnbuf [B,T,Hv,ny+V],
+    dh0 fp32 [B,Hv,K,ny+V]). ``ny = K`` carries the transposed suffix products beside them.
+    dhbuf and dvnbuf are in the token dtype: every reader feeds them to a dot in that dtype."""
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
-    NT, NS, BV = triton_cdiv(T, CHUNK_SIZE), ny + V, _state_bv(K, V, ny > 0)
+    key = "bwd_state_aug" if ny else "bwd_state"
+    NT, NS, BV = triton_cdiv(T, CHUNK_SIZE), ny + V, _state_bv(key, K, V)
     dhbuf = torch.empty(B, NT, Hv, K, NS, device=q.device, dtype=q.dtype)
-    dvnbuf = torch.empty(B, T, Hv, NS, device=q.device, dtype=torch.float32)
+    dvnbuf = torch.empty(B, T, Hv, NS, device=q.device, dtype=q.dtype)
     dh0 = torch.empty(B, Hv, K, NS, device=q.device, dtype=torch.float32)
     _k.gdn_bwd_state_kernel[(NS // BV, B * Hv)](
         q, k, w, gc, do, dvl, dht if dht is not None else dh0, dhbuf, dvnbuf, dh0, scale, T, NT,
         Hk=Hk, Hv=Hv, K=K, V=V, NX=ny, BT=CHUNK_SIZE, BV=BV, USE_DHT=dht is not None,
-        num_warps=NUM_WARPS["bwd_state"], num_stages=_stages("bwd_state", q.dtype), **_flags(q.dtype))
+        num_warps=NUM_WARPS[key], num_stages=_stages(key, q.dtype), **_flags(q.dtype))
     return dhbuf, dvnbuf, dh0
 
 
-def bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale, dh_out: Tensor | None = None, ny: int = 0):
+def bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale, dh_out: Tensor | None = None, ny: int = 0):
+    """-> (dq [B,T,Hv,K] token dtype, dk fp32 [B,T,Hv,K], dw [B,T,Hv,K] token dtype, dgc fp32 [B,T,Hv],
+    du): the state and intra-chunk terms per value head; ``bwd_prepare`` adds the rest to dk and sums
+    the value heads. dq is complete here, so the token dtype is enough before its fp32 sum (as
+    fla-core keeps it); dk still takes the prepare terms, so it stays fp32. ``hbuf`` comes from a
+    state pass run with ``store_vn=False`` (the updates are rebuilt from ``w``, ``u``)."""
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     NT, BV = triton_cdiv(T, CHUNK_SIZE), _bv(K, V)
-    f32 = dict(device=q.device, dtype=torch.float32)
-    dq = torch.empty(B, T, Hv, K, **f32)
-    dk = torch.empty(B, T, Hv, K, **f32)
-    dw = torch.empty(B, T, Hv, K, **f32)
-    dgc = torch.empty(B, T, Hv, **f32)
-    du = torch.empty(B, T, Hv, V, **f32) if ny else None
+    dq = torch.empty(B, T, Hv, K, device=q.device, dtype=q.dtype)
+    dk = torch.empty(B, T, Hv, K, device=q.device, dtype=torch.float32)
+    dw = torch.empty(B, T, Hv, K, device=q.device, dtype=q.dtype)  # read only as a dot operand
+    dgc = torch.empty(B, T, Hv, device=q.device, dtype=torch.float32)
+    du = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype) if ny else None
     _k.gdn_bwd_inter_kernel[(NT, B * Hv)](
-        q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, dh_out if dh_out is not None else dq, du if du is not None else dq,
+        q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dh_out if dh_out is not None else dk, du if du is not None else dk,
         dq, dk, dw, dgc, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NSH=vnbuf.shape[-1], NY=ny, BT=CHUNK_SIZE, BV=BV,
+        Hk=Hk, Hv=Hv, K=K, V=V, NY=ny, BT=CHUNK_SIZE, BV=BV,
         num_warps=NUM_WARPS["inter"], num_stages=_stages("inter", q.dtype, wide=ny > 0), **_flags(q.dtype))
     return dq, dk, dw, dgc, du
 
 
-def bwd_prepare(k, v, beta, gc, tinv, dw, du, du_off, dk, dgc):
-    """-> (dk per value head fp32, dv, dbeta fp32, dg fp32); ``dk``/``dgc`` are updated in place.
-    ``du`` rows may be wider than V (read from column ``du_off``)."""
+# column block of the prepare backward (tiles wider than 64 spilled registers on an H200)
+WY_BC = 64
+QK_FINISH_ROWS = 32
+
+
+def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, du_off, dqv, dkv, dgc, qk_grad_dtype=None, rstd=None):
+    """The backward through prepare, and the finished q/k gradients -> (dq, dk [B,T,Hk,K], dv,
+    dbeta fp32, dg fp32). ``dqv``/``dkv`` are ``bwd_inter``'s per-value-head terms (``dkv`` is
+    updated in place); ``du`` rows may be wider than V (read from column ``du_off``).
+    ``rstd = (q_rstd, k_rstd)``: q and k are L2-normalised inputs and dq/dk are returned w.r.t. the
+    raw ones. dq/dk come in ``qk_grad_dtype`` (default q's)."""
     B, T, Hk, Hv, K, V, NT = _dims(None, k, v)
     dv = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
-    dT = torch.empty(B, T, Hv, CHUNK_SIZE, device=k.device, dtype=torch.float32)
     _k.gdn_bwd_wy_kernel[(NT, B * Hv)](
-        k, v, beta, gc, tinv, dw, du, dk, dgc, dT, dv, dbeta, T, du.shape[-1], du_off,
-        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, num_warps=NUM_WARPS["bwd_wy"], **_flags(k.dtype))
-    _k.gdn_bwd_tri_kernel[(NT, B * Hv)](
-        k, beta, gc, tinv, dT, dk, dgc, dbeta, dg, T,
-        Hk=Hk, Hv=Hv, K=K, BT=CHUNK_SIZE, num_warps=NUM_WARPS["bwd_tri"], **_flags(k.dtype))
-    return dk, dv, dbeta, dg
+        k, v, beta, gc, tinv, dw, du, dkv, dgc, dv, dbeta, dg, T, du.shape[-1], du_off,
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BC=min(WY_BC, K, V), num_warps=NUM_WARPS["bwd_wy"], **_flags(k.dtype))
+    out = dict(device=k.device, dtype=qk_grad_dtype or q.dtype)
+    dq, dk = torch.empty(B, T, Hk, K, **out), torch.empty(B, T, Hk, K, **out)
+    q_rstd, k_rstd = rstd if rstd is not None else (dbeta, dbeta)
+    N = B * T * Hk
+    _k.gdn_bwd_qk_finish_kernel[(triton_cdiv(N, QK_FINISH_ROWS),)](
+        q, k, dqv, dkv, q_rstd, k_rstd, dq, dk, N, Hk=Hk, Hv=Hv, K=K, BR=QK_FINISH_ROWS, L2NORM=rstd is not None,
+        num_warps=4)
+    return dq, dk, dv, dbeta, dg
 
 
-def _sum_groups(x: Tensor, Hk: int) -> Tensor:
-    """[B,T,Hv,D] per-value-head grads -> [B,T,Hk,D]: value head h feeds key head h // (Hv // Hk)."""
-    B, T, Hv, D = x.shape
-    return x.view(B, T, Hk, Hv // Hk, D).sum(3) if Hv != Hk else x
-
-
-def _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype=None):
-    Hk = k.shape[2]
-    return (_sum_groups(dq, Hk).to(qk_grad_dtype or q.dtype), _sum_groups(dk, Hk).to(qk_grad_dtype or k.dtype), dv,
-            dg.to(g.dtype), dbeta.to(beta.dtype))
-
-
-def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None):
+def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None, rstd=None):
     """Plain local backward -> (dq, dk, dv, dg, dbeta, dh0 fp32). Recomputes the chunk states.
-    ``qk_grad_dtype``: dtype of dq, dk (default q's / k's; the layer ops ask for the dtype q and k had
-    before their cast to the kernel dtype, so fp32 gradients are not rounded through bf16)."""
+    ``qk_grad_dtype``: dtype of dq, dk (default q's; the layer ops ask for the dtype q and k had before
+    their cast to the kernel dtype, so fp32 gradients are not rounded through bf16).
+    ``rstd``: see ``bwd_prepare``. Each buffer is dropped after its last reader (peak memory)."""
     h0 = h0.float().contiguous() if h0 is not None else None
     dht = dht.float().contiguous() if dht is not None else None
     do = do.contiguous()
-    hbuf, vnbuf, _ = fwd_state(k, w, u, gc, h0)
+    hbuf, _, _ = fwd_state(k, w, u, gc, h0, store_vn=False)
     dvl = bwd_dv_local(q, k, gc, do, scale)
     dhbuf, dvnbuf, dh0 = bwd_state(q, k, w, gc, do, dvl, dht, scale)
-    dq, dk, dw, dgc, _ = bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale)
-    dk, dv, dbeta, dg = bwd_prepare(k, v, beta, gc, tinv, dw, dvnbuf, 0, dk, dgc)
-    return (*_finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype), dh0)
+    del dvl
+    dqv, dkv, dw, dgc, _ = bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale)
+    del hbuf, dhbuf
+    dq, dk, dv, dbeta, dg = bwd_prepare(q, k, v, beta, gc, tinv, dw, dvnbuf, 0, dqv, dkv, dgc, qk_grad_dtype, rstd)
+    return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
 
 
 # ----------------------------------------------------------------------------- State-P2P pieces
@@ -290,10 +301,11 @@ def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, s
     dhbuf, dvnbuf = dsaved
     h_in = h_in.float().contiguous() if h_in is not None else None
     dh_out = dh_out.float().contiguous() if dh_out is not None else dhbuf.new_zeros(*dhbuf.shape[:1], *dhbuf.shape[2:4], v.shape[-1], dtype=torch.float32)
-    hbuf, vnbuf, _ = fwd_state(k, w, u, gc, h_in)
-    dq, dk, dw, dgc, du = bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, scale, dh_out=dh_out, ny=K)
-    dk, dv, dbeta, dg = bwd_prepare(k, v, beta, gc, tinv, dw, du, 0, dk, dgc)
-    return _finish(q, k, v, g, beta, dq, dk, dv, dbeta, dg, qk_grad_dtype)
+    hbuf, _, _ = fwd_state(k, w, u, gc, h_in, store_vn=False)
+    dqv, dkv, dw, dgc, du = bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale, dh_out=dh_out, ny=K)
+    del hbuf
+    dq, dk, dv, dbeta, dg = bwd_prepare(q, k, v, beta, gc, tinv, dw, du, 0, dqv, dkv, dgc, qk_grad_dtype)
+    return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm
@@ -309,11 +321,3 @@ def l2norm_fwd(x: Tensor, eps: float = L2NORM_EPS):
     rstd = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
     _k.gdn_l2norm_fwd_kernel[(triton_cdiv(N, L2NORM_ROWS),)](x, y, rstd, N, eps, D=D, BR=L2NORM_ROWS, num_warps=4)
     return y, rstd
-
-
-def l2norm_bwd(x: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
-    D = x.shape[-1]
-    N = x.numel() // D
-    dx = torch.empty_like(x)
-    _k.gdn_l2norm_bwd_kernel[(triton_cdiv(N, L2NORM_ROWS),)](x, rstd, dy, dx, N, D=D, BR=L2NORM_ROWS, num_warps=4)
-    return dx

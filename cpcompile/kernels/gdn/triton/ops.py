@@ -1,9 +1,10 @@
 """``torch.library`` custom ops over the Triton GDN kernels (namespace ``cpcompile``).
 
 - ``cpcompile::gdn_chunk_fwd`` / ``cpcompile::gdn_chunk_bwd``: the local core, with autograd
-  (``gdn_chunk_fwd`` also returns what its backward needs: gate cumsum ``gc``, ``w``, ``u`` and the
-  per-chunk ``(I + A)^-1``; they are not differentiable).
-- ``cpcompile::gdn_l2norm`` / ``gdn_l2norm_bwd``: the q/k L2 norm, with autograd.
+  (``gdn_chunk_fwd`` also returns what its backward needs: gate cumsum ``gc``, ``w``, ``u``, the
+  per-chunk ``(I + A)^-1`` and, with ``qk_l2norm``, the normalised q/k and their rstd; they are not
+  differentiable). The q/k L2 norm lives inside the op, so its backward takes the fp32 dq/dk of the
+  core's last kernel instead of gradients rounded to the token dtype between two ops.
 
 State-P2P has no kernel-level ops here: its executor (``p2p_executor``, inside the layer-level
 ``cpcompile::gdn_p2p_chunk``) calls the launch functions directly.
@@ -33,34 +34,51 @@ def _c(t: Optional[Tensor]) -> Optional[Tensor]:
 
 @torch.library.custom_op("cpcompile::gdn_chunk_fwd", mutates_args=())
 def gdn_chunk_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
-                  initial_state: Optional[Tensor], scale: float
-                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (o [B,T,Hv,V] q.dtype, final state fp32 [B,Hv,K,V], gc, w, u, tinv)."""
+                  initial_state: Optional[Tensor], scale: float, qk_l2norm: bool = False
+                  ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (o [B,T,Hv,V] q.dtype, final state fp32 [B,Hv,K,V], gc, w, u, tinv, qn, kn, q_rstd, k_rstd).
+
+    With ``qk_l2norm`` q and k are L2-normalised first (one Triton pass each); ``qn``/``kn`` are the
+    normalised q and k and ``q_rstd``/``k_rstd`` fp32 [B,T,Hk] their rstd, kept for the backward,
+    which finishes the norm's gradient inside its last kernel. Without it these four are empty."""
     check_device(q.device.type, q.device.index)
-    return launch.gdn_fwd(_c(q), _c(k), _c(v), _c(g), _c(beta), _c(initial_state), scale)
+    q, k = _c(q), _c(k)
+    if qk_l2norm:
+        (q, q_rstd), (k, k_rstd) = launch.l2norm_fwd(q), launch.l2norm_fwd(k)
+        qn, kn = q, k
+    else:
+        qn, kn, q_rstd, k_rstd = (q.new_empty(0) for _ in range(4))
+    return (*launch.gdn_fwd(q, k, _c(v), _c(g), _c(beta), _c(initial_state), scale), qn, kn, q_rstd, k_rstd)
 
 
 @gdn_chunk_fwd.register_fake
-def _(q, k, v, g, beta, initial_state, scale):
+def _(q, k, v, g, beta, initial_state, scale, qk_l2norm=False):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     f32 = torch.float32
+    if qk_l2norm:
+        norm = (torch.empty_like(q), torch.empty_like(k), q.new_empty(B, T, Hk, dtype=f32), k.new_empty(B, T, Hk, dtype=f32))
+    else:
+        norm = tuple(q.new_empty(0) for _ in range(4))
     return (q.new_empty(B, T, Hv, V), q.new_empty(B, Hv, K, V, dtype=f32), q.new_empty(B, T, Hv, dtype=f32),
-            k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V), q.new_empty(B, T, Hv, CHUNK_SIZE, dtype=f32))
+            k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V), q.new_empty(B, T, Hv, CHUNK_SIZE, dtype=f32), *norm)
 
 
 @torch.library.custom_op("cpcompile::gdn_chunk_bwd", mutates_args=())
 def gdn_chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Optional[Tensor],
-                  gc: Tensor, w: Tensor, u: Tensor, tinv: Tensor, do: Tensor, dht: Optional[Tensor], scale: float
+                  gc: Tensor, w: Tensor, u: Tensor, tinv: Tensor, do: Tensor, dht: Optional[Tensor], scale: float,
+                  q_rstd: Optional[Tensor] = None, k_rstd: Optional[Tensor] = None
                   ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (dq, dk, dv, dg, dbeta in their inputs' dtypes, d initial state fp32 [B,Hv,K,V])."""
+    """-> (dq, dk, dv, dg, dbeta in their inputs' dtypes, d initial state fp32 [B,Hv,K,V]).
+    With ``q_rstd``/``k_rstd``, q and k are the normalised ones and dq/dk are w.r.t. the raw inputs."""
     check_device(q.device.type, q.device.index)
+    rstd = (_c(q_rstd), _c(k_rstd)) if q_rstd is not None else None
     return launch.gdn_bwd(_c(q), _c(k), _c(v), _c(g), _c(beta), _c(initial_state), _c(gc), _c(w), _c(u), _c(tinv),
-                          _c(do), _c(dht), scale)
+                          _c(do), _c(dht), scale, rstd=rstd)
 
 
 @gdn_chunk_bwd.register_fake
-def _(q, k, v, g, beta, initial_state, gc, w, u, tinv, do, dht, scale):
+def _(q, k, v, g, beta, initial_state, gc, w, u, tinv, do, dht, scale, q_rstd=None, k_rstd=None):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
@@ -68,61 +86,29 @@ def _(q, k, v, g, beta, initial_state, gc, w, u, tinv, do, dht, scale):
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, g, beta, initial_state, scale = inputs
-    _, _, gc, w, u, tinv = output
+    q, k, v, g, beta, initial_state, scale, qk_l2norm = inputs
+    _, _, gc, w, u, tinv, qn, kn, q_rstd, k_rstd = output
     ctx.scale = scale
     ctx.has_h0 = initial_state is not None
-    ctx.save_for_backward(q, k, v, g, beta, initial_state, gc, w, u, tinv)
-    ctx.mark_non_differentiable(gc, w, u, tinv)
+    ctx.qk_l2norm = qk_l2norm
+    if qk_l2norm:  # the backward reads only the normalised q/k (and their rstd), not the raw ones
+        q, k = qn, kn
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, gc, w, u, tinv, q_rstd, k_rstd)
+    ctx.mark_non_differentiable(gc, w, u, tinv, qn, kn, q_rstd, k_rstd)
+    # unused outputs' gradients stay None: materialised, they were zero-filled tensors as large as
+    # w, u, tinv, qn and kn on every backward (0.16 ms and ~0.5 GiB at T=16K on an H200)
+    ctx.set_materialize_grads(False)
 
 
-def _backward(ctx, do, dht, _dgc, _dw, _du, _dtinv):
-    q, k, v, g, beta, initial_state, gc, w, u, tinv = ctx.saved_tensors
+def _backward(ctx, do, dht, *_not_differentiable):
+    q, k, v, g, beta, initial_state, gc, w, u, tinv, q_rstd, k_rstd = ctx.saved_tensors
     if do is None:
         do = torch.zeros(*v.shape[:3], v.shape[3], dtype=q.dtype, device=q.device)
+    rstd = (q_rstd, k_rstd) if ctx.qk_l2norm else (None, None)
     dq, dk, dv, dg, dbeta, dh0 = gdn_chunk_bwd(q, k, v, g, beta, initial_state, gc, w, u, tinv,
-                                               do.to(q.dtype), dht, ctx.scale)
+                                               do.to(q.dtype), dht, ctx.scale, *rstd)
     dh0 = dh0.to(initial_state.dtype) if ctx.has_h0 else None
-    return dq, dk, dv, dg, dbeta, dh0, None
+    return dq, dk, dv, dg, dbeta, dh0, None, None
 
 
 gdn_chunk_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-# ----------------------------------------------------------------------------- q/k L2 norm
-
-
-@torch.library.custom_op("cpcompile::gdn_l2norm", mutates_args=())
-def gdn_l2norm(x: Tensor) -> tuple[Tensor, Tensor]:
-    """``x * rsqrt(sum(x^2, -1) + 1e-6)`` in x's dtype (computed in fp32), plus rstd fp32."""
-    check_device(x.device.type, x.device.index)
-    return launch.l2norm_fwd(x.contiguous())
-
-
-@gdn_l2norm.register_fake
-def _(x):
-    return torch.empty_like(x), x.new_empty(x.shape[:-1], dtype=torch.float32)
-
-
-@torch.library.custom_op("cpcompile::gdn_l2norm_bwd", mutates_args=())
-def gdn_l2norm_bwd(x: Tensor, rstd: Tensor, dy: Tensor) -> Tensor:
-    check_device(x.device.type, x.device.index)
-    return launch.l2norm_bwd(x.contiguous(), rstd.contiguous(), dy.contiguous())
-
-
-@gdn_l2norm_bwd.register_fake
-def _(x, rstd, dy):
-    return torch.empty_like(x)
-
-
-def _l2_setup(ctx, inputs, output):
-    ctx.save_for_backward(inputs[0], output[1])
-    ctx.mark_non_differentiable(output[1])
-
-
-def _l2_backward(ctx, dy, _drstd):
-    x, rstd = ctx.saved_tensors
-    return gdn_l2norm_bwd(x, rstd, dy.to(x.dtype))
-
-
-gdn_l2norm.register_autograd(_l2_backward, setup_context=_l2_setup)
