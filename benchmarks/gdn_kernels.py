@@ -2,7 +2,8 @@
 
     python benchmarks/gdn_kernels.py [--T 8192 16384 32768 65536] [--warmup 5] [--repeat 20] [--out FILE]
     python benchmarks/gdn_kernels.py --p2p-variants [--T 16384 32768 65536] [--hs 1 2 4] [--obv 64 128] ...
-    TRITON_INTERPRET=1 python benchmarks/gdn_kernels.py --p2p-variants --smoke   # CPU, tiny shape, no timing claim
+    python benchmarks/gdn_kernels.py --tune ...   # first sweep warps/stages/column blocks per kernel at 16K
+    TRITON_INTERPRET=1 python benchmarks/gdn_kernels.py [--p2p-variants] --smoke   # CPU, tiny shape, no timing claim
 
 Shapes follow Qwen3.5's GDN layer: B=1, 16 key heads, 32 value heads, K=V=128, bf16 q/k/v/beta,
 fp32 g, q/k L2-normalised in the op. For each T it reports forward, forward+backward (median of
@@ -206,10 +207,12 @@ P2P_GRID = {"hs": [4, 8, 16, 32], "sbv": [32, 64], "sw": [4, 8], "obv": [64, 128
 
 def _set(L, **kw):
     """Set launch tunables by variant key; -> the previous values (restore with ``_set(L, **old)``)."""
-    names = {"hs": "P2P_HSTRIDE", "sbv": "STATE_BV_AUG", "obv": "P2P_OUTPUT_BV", "plain_obv": "OUTPUT_BV"}
+    names = {"hs": "P2P_HSTRIDE", "obv": "P2P_OUTPUT_BV", "plain_obv": "OUTPUT_BV"}
     old = {}
     for key, val in kw.items():
-        if key in _DICT_KNOBS:
+        if key == "sbv":
+            old[key], L.STATE_BV["state_aug"] = L.STATE_BV["state_aug"], val
+        elif key in _DICT_KNOBS:
             table, entry = _DICT_KNOBS[key]
             old[key] = getattr(L, table)[entry]
             getattr(L, table)[entry] = val
@@ -220,7 +223,7 @@ def _set(L, **kw):
 
 
 def _p2p_defaults(L):
-    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV_AUG, sw=L.NUM_WARPS["state_aug"], obv=L.P2P_OUTPUT_BV,
+    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV["state_aug"], sw=L.NUM_WARPS["state_aug"], obv=L.P2P_OUTPUT_BV,
                 ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
                 plain_ow=L.NUM_WARPS["output"])
 
@@ -386,36 +389,50 @@ def accuracy(T, methods):
 
 
 def kernel_breakdown(T, warmup, repeat):
-    from cpcompile.kernels.gdn.triton import launch as L
+    """ms of one launch of each kernel (keys of ``launch.NUM_WARPS``) at T."""
+    return {name: time_cuda(fn, warmup, repeat) for name, fn in _kernel_calls(T).items()}
 
-    (q, k, v, g, beta), do = make_inputs(T)
-    q, k = _l2norm(q), _l2norm(k)
-    s = DK ** -0.5
-    gc, w, u, tinv = L.fwd_prepare(k, v, g, beta)
-    hbuf, vnbuf, ht = L.fwd_state(k, w, u, gc, None)
-    dvl = L.bwd_dv_local(q, k, gc, do, s)
-    dhbuf, dvnbuf, dh0 = L.bwd_state(q, k, w, gc, do, dvl, None, s)
-    dq, dk, dw, dgc, _ = L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s)
-    aug = L.fwd_state(k, w, u, gc, None, nx=DK, hstride=L.P2P_HSTRIDE, store_vn=False)[0]
-    h_in = torch.randn(B, HV, DK, DV, device="cuda") * 0.1
-    parts = {
-        "fwd_prepare": lambda: L.fwd_prepare(k, v, g, beta),
-        "fwd_state": lambda: L.fwd_state(k, w, u, gc, None),
-        "fwd_state(aug K+V)": lambda: L.fwd_state(k, w, u, gc, None, nx=DK, hstride=L.P2P_HSTRIDE, store_vn=False),
-        "fwd_output": lambda: L.fwd_output(q, k, gc, hbuf, vnbuf, s),
-        "p2p_output": lambda: L.p2p_output(q, k, w, u, gc, aug, h_in, s),
-        "bwd_dv_local": lambda: L.bwd_dv_local(q, k, gc, do, s),
-        "bwd_state": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s),
-        "bwd_state(aug K+V)": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=DK),
-        "bwd_inter": lambda: L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s),
-        "bwd_prepare": lambda: L.bwd_prepare(k, v, beta, gc, tinv, dw, dvnbuf, 0, dk, dgc),
-    }
+
+def profile_kernels(T, methods, repeat=5):
+    """Per-kernel GPU time of one forward+backward (torch profiler, CUDA activity, mean of ``repeat``
+    steps after 3 warm-ups) -> {method: [(kernel, ms per step, launches per step), ...] slowest first}."""
+    from torch.profiler import ProfilerActivity, profile
+
     out = {}
-    for name, fn in parts.items():
-        out[name] = time_cuda(fn, warmup, repeat)
-        if name == "bwd_prepare":  # it updates dk/dgc in place: restore
-            dq, dk, dw, dgc, _ = L.bwd_inter(q, k, gc, do, hbuf, vnbuf, dhbuf, dvnbuf, s)
+    for name, _, run in methods:
+        xg, do = make_inputs(T, requires_grad=True)
+
+        def step():
+            for x in xg:
+                x.grad = None
+            run(*xg).backward(do)
+        for _ in range(3):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(repeat):
+                step()
+            torch.cuda.synchronize()
+        rows = []
+        for e in prof.key_averages():
+            t = getattr(e, "self_device_time_total", 0) or 0
+            if t > 0:
+                rows.append((e.key, t / 1e3 / repeat, e.count / repeat))
+        out[name] = sorted(rows, key=lambda r: -r[1])
+        print(f"  profile {name} T={T}: " + ", ".join(f"{k[:40]} {ms:.3f}" for k, ms, _ in out[name][:8]), flush=True)
     return out
+
+
+def profile_lines(T, prof, top=16):
+    lines = []
+    for name, rows in prof.items():
+        total = sum(ms for _, ms, _ in rows)
+        lines += ["", f"Kernels of one forward+backward, {name}, T={T} (torch profiler; GPU time {total:.3f} ms "
+                  "per step, slowest first):", "", "| kernel | launches/step | ms/step |", "|---|---|---|"]
+        lines += [f"| `{k[:90]}` | {n:g} | {ms:.3f} |" for k, ms, n in rows[:top]]
+        if len(rows) > top:
+            lines.append(f"| {len(rows) - top} others | | {sum(ms for _, ms, _ in rows[top:]):.3f} |")
+    return lines
 
 
 def api_overhead(T, warmup, repeat):
@@ -429,9 +446,10 @@ def api_overhead(T, warmup, repeat):
     return {
         "api forward (l2norm + op)": time_cuda(lambda: chunk_gated_delta_rule(q, k, v, g, beta, use_qk_l2norm_in_kernel=True), warmup, repeat),
         "eager-PyTorch l2norm of q and k": time_cuda(lambda: (_l2norm(q), _l2norm(k)), warmup, repeat),
-        "fused l2norm (cpcompile::gdn_l2norm) of q and k": time_cuda(
-            lambda: (torch.ops.cpcompile.gdn_l2norm(q), torch.ops.cpcompile.gdn_l2norm(k)), warmup, repeat),
-        "torch.ops.cpcompile.gdn_chunk_fwd": time_cuda(lambda: torch.ops.cpcompile.gdn_chunk_fwd(qn, kn, v, g, beta, None, s), warmup, repeat),
+        "Triton l2norm (launch.l2norm_fwd) of q and k": time_cuda(
+            lambda: (L.l2norm_fwd(q), L.l2norm_fwd(k)), warmup, repeat),
+        "torch.ops.cpcompile.gdn_chunk_fwd, q/k normalised inside": time_cuda(
+            lambda: torch.ops.cpcompile.gdn_chunk_fwd(q, k, v, g, beta, None, s, True), warmup, repeat),
         "launch.gdn_fwd (bare kernels)": time_cuda(lambda: L.gdn_fwd(qn, kn, v, g, beta, None, s), warmup, repeat),
     }
 
@@ -456,51 +474,78 @@ def ablation(T, warmup, repeat):
     return out
 
 
-def tune_warps(T, warmup, repeat):
-    """Try a few num_warps per kernel at one T; keep the fastest (printed, and used for the table)."""
+def _kernel_calls(T, dims=None, device="cuda"):
+    """One launch per kernel key (``launch.NUM_WARPS``'s keys) at T; ``dims`` = (B, Hk, Hv, K, V),
+    default the bench shapes."""
     from cpcompile.kernels.gdn.triton import launch as L
 
-    best = {}
-    timings = {}
-    for bv in (32, 64):
-        for st in (1, 2, 3):
-            L.STATE_BV = bv
-            L.NUM_STAGES["state"] = L.NUM_STAGES["bwd_state"] = st
-            try:
-                res = kernel_breakdown(T, warmup, repeat)
-                timings[(bv, st)] = res["fwd_state"] + res["bwd_state"]
-                print(f"  STATE_BV={bv} stages={st}: " + ", ".join(f"{k} {v:.3f}" for k, v in res.items()), flush=True)
-            except Exception as exc:  # noqa: BLE001
-                print(f"  tune STATE_BV={bv} stages={st} failed: {exc!r}")
-                timings[(bv, st)] = float("inf")
-    bv, st = min(timings, key=timings.get)
-    L.STATE_BV = best["STATE_BV"] = bv
-    L.NUM_STAGES["state"] = L.NUM_STAGES["bwd_state"] = best["state_stages"] = st
-    print(f"  tune STATE_BV/stages -> {bv}/{st}", flush=True)
-    for key in ("prepare", "state", "state_aug", "output", "p2p_output", "dv_local", "bwd_state", "inter", "bwd_wy", "bwd_tri"):
+    b, _, hv, dk, dv = dims or (B, HK, HV, DK, DV)
+    (q, k, v, g, beta), do = make_inputs(T, dims=dims, device=device)
+    q, k = _l2norm(q), _l2norm(k)
+    s = dk ** -0.5
+    gc, w, u, tinv = L.fwd_prepare(k, v, g, beta)
+    hbuf, vnbuf, _ = L.fwd_state(k, w, u, gc, None)
+    dvl = L.bwd_dv_local(q, k, gc, do, s)
+    dhbuf, dvnbuf, _ = L.bwd_state(q, k, w, gc, do, dvl, None, s)
+    dqv, dkv, dw, dgc, _ = L.bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, s)
+    aug = L.fwd_state(k, w, u, gc, None, nx=dk, hstride=L.P2P_HSTRIDE, store_vn=False)[0]
+    h_in = torch.randn(b, hv, dk, dv, device=device) * 0.1
+    return {
+        "prepare": lambda: L.fwd_prepare(k, v, g, beta),
+        "state": lambda: L.fwd_state(k, w, u, gc, None),
+        "state_aug": lambda: L.fwd_state(k, w, u, gc, None, nx=dk, hstride=L.P2P_HSTRIDE, store_vn=False),
+        "output": lambda: L.fwd_output(q, k, gc, hbuf, vnbuf, s),
+        "p2p_output": lambda: L.p2p_output(q, k, w, u, gc, aug, h_in, s),
+        "dv_local": lambda: L.bwd_dv_local(q, k, gc, do, s),
+        "bwd_state": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s),
+        "bwd_state_aug": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=dk),
+        "inter": lambda: L.bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, s),
+        # includes the small q/k finish kernel; dkv is updated in place, which changes no timing
+        "bwd_wy": lambda: L.bwd_prepare(q, k, v, beta, gc, tinv, dw, dvnbuf, 0, dqv, dkv, dgc),
+    }
+
+
+TUNE_WARPS = (2, 4, 8)
+TUNE_STAGES = {"state": (1, 2, 3), "bwd_state": (1, 2, 3), "inter": (1, 2, 3)}  # others keep theirs
+
+
+def tune(T, warmup, repeat, dims=None, device="cuda", warps=TUNE_WARPS, stage_grid=None):
+    """Per kernel, every num_warps (and for the pipelined loops num_stages, for the state passes the
+    column block) at one T; keeps the fastest in ``launch`` (used for the tables after) -> report lines."""
+    import itertools
+
+    from cpcompile.kernels.gdn.triton import launch as L
+
+    stage_grid = TUNE_STAGES if stage_grid is None else stage_grid
+    calls = _kernel_calls(T, dims, device)
+    lines = [f"Tuning at T={T} (ms of one launch; the chosen setting is marked *):", "",
+             "| kernel | warps | stages | column block | ms |", "|---|---|---|---|---|"]
+    for key, fn in calls.items():
+        stages = stage_grid.get(key, (L.NUM_STAGES.get(key),))
+        bvs = (32, 64) if key in L.STATE_BV else (None,)
         timings = {}
-        for nw in (4, 8):
+        for nw, st, bv in itertools.product(warps, stages, bvs):
             L.NUM_WARPS[key] = nw
+            if st is not None:
+                L.NUM_STAGES[key] = st
+            if bv is not None:
+                L.STATE_BV[key] = bv
             try:
-                timings[nw] = sum(kernel_breakdown_cached(T, warmup, repeat, key).values())
-            except Exception as exc:  # noqa: BLE001
-                print(f"  tune {key} num_warps={nw} failed: {exc!r}")
-                timings[nw] = float("inf")
-        best[key] = min(timings, key=timings.get)
-        L.NUM_WARPS[key] = best[key]
-        print(f"  tune {key}: {timings} -> {best[key]}", flush=True)
-    return best
-
-
-_KEYMAP = {"prepare": ["fwd_prepare"], "state": ["fwd_state"], "state_aug": ["fwd_state(aug K+V)"], "output": ["fwd_output"],
-           "p2p_output": ["p2p_output"],
-           "dv_local": ["bwd_dv_local"], "bwd_state": ["bwd_state", "bwd_state(aug K+V)"], "inter": ["bwd_inter"],
-           "bwd_wy": ["bwd_prepare"], "bwd_tri": ["bwd_prepare"]}
-
-
-def kernel_breakdown_cached(T, warmup, repeat, key):
-    res = kernel_breakdown(T, warmup, repeat)
-    return {k: res[k] for k in _KEYMAP[key]}
+                timings[(nw, st, bv)] = time_cuda(fn, warmup, repeat)
+            except Exception as exc:  # noqa: BLE001  (a setting can exceed shared memory)
+                print(f"  tune {key} warps={nw} stages={st} bv={bv} failed: {type(exc).__name__}", flush=True)
+        best = min(timings, key=timings.get)
+        L.NUM_WARPS[key] = best[0]
+        if best[1] is not None:
+            L.NUM_STAGES[key] = best[1]
+        if best[2] is not None:
+            L.STATE_BV[key] = best[2]
+        for cfg, ms in sorted(timings.items(), key=lambda kv: kv[1])[:4]:
+            lines.append(f"| {key} | {cfg[0]} | {cfg[1] if cfg[1] is not None else '-'} | "
+                         f"{cfg[2] if cfg[2] is not None else '-'} | {ms:.3f}{' *' if cfg == best else ''} |")
+        print(f"  tune {key}: best {best} {timings[best]:.3f} ms of {len(timings)}", flush=True)
+    lines += ["", f"Chosen: NUM_WARPS={L.NUM_WARPS}, NUM_STAGES={L.NUM_STAGES}, STATE_BV={L.STATE_BV}"]
+    return lines
 
 
 def main():
@@ -512,28 +557,36 @@ def main():
     ap.add_argument("--ref-max-T", type=int, default=8192)
     ap.add_argument("--no-fla", action="store_true")
     ap.add_argument("--no-lift-fla-guard", action="store_true")
-    ap.add_argument("--tune", action="store_true", help="sweep num_warps per kernel at T=16K first")
+    ap.add_argument("--tune", action="store_true",
+                    help="first sweep each kernel's warps/stages/column block at T=16K and keep the fastest")
     ap.add_argument("--out", default=None)
     ap.add_argument("--no-breakdown", action="store_true", help="skip the per-kernel breakdown at T=16K")
+    ap.add_argument("--profile-T", type=int, nargs="*", default=[16384, 65536],
+                    help="torch-profiler kernel table of one fwd+bwd per method at these T (none: skip)")
     ap.add_argument("--p2p-variants", action="store_true",
                     help="only time the plain forward against every State-P2P forward variant (no fla-core)")
     for key, vals in P2P_GRID.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, nargs="+", default=None,
                         help=f"--p2p-variants grid: {key} values (default {vals})")
     ap.add_argument("--smoke", action="store_true",
-                    help="with --p2p-variants: T=128, Hv=2, K=V=32 on the CPU interpreter (checks the code path only)")
+                    help="T=128, Hv=2, K=V=32 on the CPU interpreter (checks the code path only): the --tune "
+                         "sweep, or with --p2p-variants those variants")
     args = ap.parse_args()
     if args.p2p_variants:
         return main_p2p_variants(args)
+    if args.smoke:  # the tuner's code path on the CPU interpreter (tiny shape, one setting each)
+        os.environ["TRITON_INTERPRET"] = "1"
+        print("\n".join(tune(128, 0, 1, dims=(1, 1, 2, 32, 32), device="cpu", warps=(4,), stage_grid={})))
+        return
     args.T = args.T or [8192, 16384, 32768, 65536]
 
     dev = torch.cuda.get_device_name()
     import triton
     env = f"torch {torch.__version__}, triton {triton.__version__}, device {dev}"
     print(env, flush=True)
-    tuned = tune_warps(16384, 2, 5) if args.tune else None
+    tuned = tune(16384, 2, 10) if args.tune else None
 
-    rows, p2p_rows, layer_rows, acc, breakdown = [], [], [], [], {}
+    rows, p2p_rows, layer_rows, acc, breakdown, profiles = [], [], [], [], {}, {}
     interrupted = None
     methods = [("cpcompile", "triton", ours())]
     if not args.no_fla:
@@ -557,6 +610,8 @@ def main():
             bench_p2p(T, args.warmup, args.repeat, p2p_rows)
             bench_layer_ops(T, args.warmup, args.repeat, layer_rows)
             torch.cuda.empty_cache()
+        for T in args.profile_T:
+            profiles[T] = profile_kernels(T, methods)
         if not args.no_breakdown:
             breakdown.update(kernel_breakdown(16384, args.warmup, args.repeat))
             breakdown.update(ablation(16384, args.warmup, args.repeat))
@@ -608,8 +663,10 @@ def main():
     if breakdown:
         lines += ["", "Per-kernel time at T=16384 (ms):", "", "| kernel | ms |", "|---|---|"]
         lines += [f"| {k} | {v:.3f} |" for k, v in breakdown.items()]
+    for T, prof in profiles.items():
+        lines += profile_lines(T, prof)
     if tuned:
-        lines += ["", f"num_warps after tuning: {tuned}"]
+        lines += ["", *tuned]
     write_report(lines, args.out, "gdn_kernels", dev)
 
 

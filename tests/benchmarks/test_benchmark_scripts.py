@@ -1,5 +1,6 @@
 """`benchmarks/cp_methods.py` still runs on 2 gloo ranks at a tiny size, every method (Hybrid skipped
-below 4 ranks) passing its equivalence checks. (`overlap_report.py` is not run here: its processes
+below 4 ranks) passing its equivalence checks; the GDN kernel tuner and accuracy scripts still run
+(Triton's CPU interpreter, tiny shapes, no timing or accuracy claim). (`overlap_report.py` is not run here: its processes
 sometimes abort at exit after the profiler, "terminate called without an active exception" — seen
 once in about a dozen runs, a teardown crash outside our code that a CI check must not depend on.)"""
 from __future__ import annotations
@@ -43,3 +44,28 @@ def test_sdpa_vs_torch_cp_smoke_on_gloo():
     for method in ("all_gather", "ulysses", "head_tail", "async_all_gather", "async_ulysses"):
         assert abs(float(rows[f"cpcompile {method}"][-2]) - single_loss) < 1e-4, rows[f"cpcompile {method}"]
     assert "NotImplementedError" in "|".join(rows["torch context_parallel"])
+
+
+def _interpreted(script: str, *args: str) -> str:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], env=env,
+                         capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res.stdout
+
+
+def test_gdn_kernel_tuner_smoke():
+    """The `--tune` sweep reaches every GDN kernel key and keeps one setting each (CPU interpreter)."""
+    from cpcompile.kernels.gdn.triton import launch
+
+    out = _interpreted("gdn_kernels.py", "--smoke")
+    chosen = {line.split("|")[1].strip() for line in out.splitlines() if line.endswith("* |")}
+    assert chosen == set(launch.NUM_WARPS), out[-2000:]
+
+
+def test_gdn_accuracy_smoke():
+    """Every accuracy variant runs, and the fp32 kernels stay at fp32 rounding of the float64 oracle."""
+    out = _interpreted("gdn_accuracy.py", "--smoke", "--seeds", "1")
+    rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in out.splitlines() if r.startswith("| ")}
+    assert {"kernels as shipped (API)", "fp32 kernels on the same (bf16-valued) inputs"} <= set(rows), out[-2000:]
+    assert max(float(x) for x in rows["fp32 kernels on the same (bf16-valued) inputs"]) < 1e-5
