@@ -73,8 +73,10 @@ def profile_method(method: str, args) -> Path:
     return path
 
 
-def phase_sequences(trace: dict, phase: str) -> list[list[tuple]]:
-    """Per profiled step: the phase's items in issue order, ("L", kind) / ("W",) / ("K", name, gpu_us)."""
+def phase_sequences(trace: dict, phase: str, classify_event=None) -> list[list[tuple]]:
+    """Per profiled step: the phase's items in issue order, ("L", kind) / ("W",) / ("K", name, gpu_us)
+    (``classify_event(event, gpu_us)``, default ``classify``, maps one trace event to an item or None)."""
+    classify_event = classify_event or classify
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X"]
     gpu_us = {e["args"]["correlation"]: (e["name"], e["dur"]) for e in events
               if e.get("cat") == "kernel" and "correlation" in e.get("args", {})}
@@ -84,7 +86,7 @@ def phase_sequences(trace: dict, phase: str) -> list[list[tuple]]:
     for start, end in windows:
         items = []
         for e in sorted((e for e in events if start <= e["ts"] <= end), key=lambda e: e["ts"]):
-            item = classify(e, gpu_us)
+            item = classify_event(e, gpu_us)
             if item is not None:
                 items.append(item)
         steps.append(items)

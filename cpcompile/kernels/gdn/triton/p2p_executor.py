@@ -66,8 +66,14 @@ def _received(posted) -> Tensor | None:
     if posted is None:
         return None
     buffer, work = posted
-    work.wait()
+    _wait(work)
     return buffer
+
+
+def _wait(work) -> None:
+    """Wait for a message, as a named range on a profiler timeline (benchmarks/gdn_p2p_timeline.py)."""
+    with record_function("gdn_p2p.wait"):
+        work.wait()
 
 
 def _state_like(k: Tensor, v: Tensor) -> Tensor:
@@ -95,7 +101,7 @@ def p2p_forward(q, k, v, g, beta, scale: float, chunk_size: int, ring: Ring) -> 
         with record_function("gdn_p2p_fwd.output"):
             o = launch.p2p_fwd_output(qd, kd, saved, h_in, scale)
     if sent is not None:
-        sent.wait()  # the send buffer must outlive the transfer
+        _wait(sent)  # the send buffer must outlive the transfer
     return o.to(q.dtype), h_in
 
 
@@ -118,5 +124,5 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
         grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale,
                                       qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
         if sent is not None:
-            sent.wait()
+            _wait(sent)
     return [grad.to(x.dtype).contiguous() for grad, x in zip(grads, (q, k, v, g, beta))]
