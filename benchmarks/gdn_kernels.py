@@ -182,9 +182,9 @@ def bench_p2p(T, warmup, repeat, rows):
     t_bplain = time_cuda(lambda: L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale), warmup, repeat)
 
     def p2p_bwd():
-        dl, mt, ds = L.p2p_bwd_summary(q, k, w, gc, do, scale)
+        dl, mt, dvl = L.p2p_bwd_summary(q, k, w, gc, do, scale)
         chain_grad_step(mt.transpose(-1, -2), dl, dht)
-        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, ds, dht, scale)
+        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dht, scale)
     t_bp2p = time_cuda(p2p_bwd, warmup, repeat)
     ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
     got_g = p2p_bwd()
@@ -487,7 +487,7 @@ def _kernel_calls(T, dims=None, device="cuda"):
     hbuf, vnbuf, _ = L.fwd_state(k, w, u, gc, None)
     dvl = L.bwd_dv_local(q, k, gc, do, s)
     dhbuf, dvnbuf, _ = L.bwd_state(q, k, w, gc, do, dvl, None, s)
-    dqv, dkv, dw, dgc, _ = L.bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, s)
+    dqv, dkv, dw, dgc = L.bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, s)
     aug = L.fwd_state(k, w, u, gc, None, nx=dk, hstride=L.P2P_HSTRIDE, store_vn=False)[0]
     h_in = torch.randn(b, hv, dk, dv, device=device) * 0.1
     return {
@@ -498,10 +498,10 @@ def _kernel_calls(T, dims=None, device="cuda"):
         "p2p_output": lambda: L.p2p_output(q, k, w, u, gc, aug, h_in, s),
         "dv_local": lambda: L.bwd_dv_local(q, k, gc, do, s),
         "bwd_state": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s),
-        "bwd_state_aug": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=dk),
+        "bwd_state_aug": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=dk, store=False),
         "inter": lambda: L.bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, s),
         # includes the small q/k finish kernel; dkv is updated in place, which changes no timing
-        "bwd_wy": lambda: L.bwd_prepare(q, k, v, beta, gc, tinv, dw, dvnbuf, 0, dqv, dkv, dgc),
+        "bwd_wy": lambda: L.bwd_prepare(q, k, v, beta, gc, tinv, dw, dvnbuf, dqv, dkv, dgc),
     }
 
 

@@ -6,7 +6,7 @@ the same launch functions directly, inside the layer-level ``cpcompile::gdn_p2p_
 
 - ``gdn_p2p_fwd_summary(k, v, g, beta)``: before ``H_in`` arrives -> ``M, S, gc, w, u, tinv, hbuf``;
 - ``gdn_p2p_fwd_output(q, k, gc, w, u, hbuf, h_in, scale)``: after -> ``o``;
-- ``gdn_p2p_bwd_summary(q, k, w, gc, do, scale)``: before ``dH_out`` arrives -> ``dH_local, M^T, dhbuf, dvnbuf``;
+- ``gdn_p2p_bwd_summary(q, k, w, gc, do, scale)``: before ``dH_out`` arrives -> ``dH_local, M^T, dvl``;
 - ``gdn_p2p_bwd_finish(...)``: after -> ``dq, dk, dv, dg, dbeta``.
 
 Each has a fake implementation; none has autograd.
@@ -69,11 +69,12 @@ def _(q, k, gc, w, u, hbuf, h_in, scale):
 
 @torch.library.custom_op("cpcompile_test::gdn_p2p_bwd_summary", mutates_args=())
 def gdn_p2p_bwd_summary(q: Tensor, k: Tensor, w: Tensor, gc: Tensor, do: Tensor, scale: float
-                        ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (dH_local fp32 [B,Hv,K,V], M^T fp32 [B,Hv,K,K], dhbuf, dvnbuf). ``dH_in = dH_local + M^T dH_out``."""
+                        ) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dH_local fp32 [B,Hv,K,V], M^T fp32 [B,Hv,K,K], dvl fp32 [B,T,Hv,V]).
+    ``dH_in = dH_local + M^T dH_out``; ``dvl`` (intra-chunk d(vn)) goes to the finish."""
     check_device(q.device.type, q.device.index)
-    dh_local, mt, (dhbuf, dvnbuf) = launch.p2p_bwd_summary(_c(q), _c(k), _c(w), _c(gc), _c(do), scale)
-    return dh_local.contiguous(), mt.contiguous(), dhbuf, dvnbuf
+    dh_local, mt, dvl = launch.p2p_bwd_summary(_c(q), _c(k), _c(w), _c(gc), _c(do), scale)
+    return dh_local.contiguous(), mt.contiguous(), dvl
 
 
 @gdn_p2p_bwd_summary.register_fake
@@ -81,21 +82,20 @@ def _(q, k, w, gc, do, scale):
     B, T, Hk, K = k.shape
     Hv, V = do.shape[2], do.shape[3]
     f32 = torch.float32
-    return (q.new_empty(B, Hv, K, V, dtype=f32), q.new_empty(B, Hv, K, K, dtype=f32),
-            q.new_empty(B, _nt(T), Hv, K, K + V), q.new_empty(B, T, Hv, K + V, dtype=f32))
+    return q.new_empty(B, Hv, K, V, dtype=f32), q.new_empty(B, Hv, K, K, dtype=f32), do.new_empty(do.shape, dtype=f32)
 
 
 @torch.library.custom_op("cpcompile_test::gdn_p2p_bwd_finish", mutates_args=())
 def gdn_p2p_bwd_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, gc: Tensor, w: Tensor, u: Tensor,
-                       tinv: Tensor, do: Tensor, h_in: Optional[Tensor], dhbuf: Tensor, dvnbuf: Tensor,
-                       dh_out: Optional[Tensor], scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                       tinv: Tensor, do: Tensor, h_in: Optional[Tensor], dvl: Tensor, dh_out: Optional[Tensor],
+                       scale: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv, dg, dbeta) once the incoming state and the leaving-state gradient are known."""
     check_device(q.device.type, q.device.index)
     return launch.p2p_bwd_finish(_c(q), _c(k), _c(v), _c(g), _c(beta), _c(gc), _c(w), _c(u), _c(tinv), _c(do),
-                                 h_in, (_c(dhbuf), _c(dvnbuf)), dh_out, scale)
+                                 h_in, _c(dvl), dh_out, scale)
 
 
 @gdn_p2p_bwd_finish.register_fake
-def _(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dhbuf, dvnbuf, dh_out, scale):
+def _(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dh_out, scale):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta))

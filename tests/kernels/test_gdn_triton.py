@@ -124,7 +124,7 @@ def _p2p_run(q, k, v, g, beta, h0, do, dht, cuts, scale):
         d_outs[i] = dh
         dh = chain_grad_step(saved[i][0], dsum[i][0], dh)
     grads = [ops.gdn_p2p_bwd_finish(s(q), s(k), s(v), s(g), s(beta), sv[2], sv[3], sv[4], sv[5], s(do), hi,
-                                    ds[2], ds[3], dout, scale)
+                                    ds[2], dout, scale)
              for s, sv, hi, ds, dout in zip(sl, saved, h_ins, dsum, d_outs)]
     mts = [ds[1] for ds in dsum]
     return torch.cat(outs, 1), h, [torch.cat([gr[j] for gr in grads], 1) for j in range(5)], dh, saved, mts
@@ -228,7 +228,7 @@ def test_opcheck_custom_ops():
     d = torch.ops.cpcompile_test.gdn_p2p_bwd_summary(det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25)
     torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_bwd_summary.default, (det[0], det[1], s[3], s[2], torch.randn_like(o), 0.25))
     torch.library.opcheck(torch.ops.cpcompile_test.gdn_p2p_bwd_finish.default,
-                          (*det[:5], *s[2:6], torch.randn_like(o), det[5], d[2], d[3], torch.randn_like(ht), 0.25))
+                          (*det[:5], *s[2:6], torch.randn_like(o), det[5], d[2], torch.randn_like(ht), 0.25))
 
 
 @cpu_only

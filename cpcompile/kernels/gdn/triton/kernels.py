@@ -362,15 +362,17 @@ def gdn_bwd_dv_local_kernel(
 @triton.jit
 def _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0, o_col0,
                     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NS: tl.constexpr,
-                    BT: tl.constexpr, BV: tl.constexpr, WITH_OUT: tl.constexpr, PREC: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    BT: tl.constexpr, BV: tl.constexpr, WITH_OUT: tl.constexpr, STORE: tl.constexpr,
+                    PREC: tl.constexpr, UPCAST: tl.constexpr):
     """The reverse chunk loop of ``gdn_bwd_state_kernel`` for state columns ``[col0, +BV)``;
     ``WITH_OUT``: they are value columns, fed by the outputs' gradient (``dvl`` and ``do`` columns
-    ``[o_col0, +BV)``). -> the gradient of the entering state block."""
+    ``[o_col0, +BV)``); ``STORE``: keep every chunk's state gradient and d(vn). -> the gradient of
+    the entering state block."""
     for i_r in range(NT):
         i_t = NT - 1 - i_r
-        p_s = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
-        tl.store(p_s, b_dh.to(st_base.dtype.element_ty))
+        if STORE:
+            p_s = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
+            tl.store(p_s, b_dh.to(st_base.dtype.element_ty))
         b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
         b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
         dt = b_k.dtype
@@ -383,7 +385,8 @@ def _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i
             b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, o_col0, BT, BV).to(tl.float32)
             b_dog = (b_do * (tl.exp(b_gc) * scale)[:, None]).to(dt)
             b_dh += _mm(tl.trans(b_q), b_dog, PREC, UPCAST)
-        _tok_store(dvnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_dvn.to(dvnbuf.dtype.element_ty))
+        if STORE:
+            _tok_store(dvnbuf, i_b, i_h, T, Hv, NS, i_t, col0, BT, BV, b_dvn.to(dvnbuf.dtype.element_ty))
         b_dh -= _mm(tl.trans(b_w), b_dvn.to(dt), PREC, UPCAST)
     return b_dh
 
@@ -394,13 +397,13 @@ def gdn_bwd_state_kernel(
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    USE_DHT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    USE_DHT: tl.constexpr, STORE: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Reverse sequential pass over chunks for the state gradient.
 
-    ``dhbuf[c]`` holds the gradient w.r.t. the state *leaving* chunk c; ``dvnbuf`` the full
-    d(vn); ``dh0`` the gradient w.r.t. the entering state. Columns ``[0, NX)`` (augmented mode)
-    start as ``I`` and receive no output gradient: they carry the transposed suffix products.
+    With ``STORE``, ``dhbuf[c]`` holds the gradient w.r.t. the state *leaving* chunk c and ``dvnbuf``
+    the full d(vn); ``dh0`` the gradient w.r.t. the entering state. Columns ``[0, NX)`` (augmented
+    mode) start as ``I`` and receive no output gradient: they carry the transposed suffix products.
     """
     NS: tl.constexpr = NX + V
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
@@ -423,13 +426,13 @@ def gdn_bwd_state_kernel(
     # as in the forward state pass)
     if NX == 0:
         b_dh = _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0, col0,
-                               Hk, Hv, K, V, NS, BT, BV, True, PREC, UPCAST)
+                               Hk, Hv, K, V, NS, BT, BV, True, STORE, PREC, UPCAST)
     elif col0 >= NX:
         b_dh = _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0,
-                               col0 - NX, Hk, Hv, K, V, NS, BT, BV, True, PREC, UPCAST)
+                               col0 - NX, Hk, Hv, K, V, NS, BT, BV, True, STORE, PREC, UPCAST)
     else:
         b_dh = _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i_b, i_h, i_hk, col0, 0,
-                               Hk, Hv, K, V, NS, BT, BV, False, PREC, UPCAST)
+                               Hk, Hv, K, V, NS, BT, BV, False, STORE, PREC, UPCAST)
 
     p0 = _mat_ptr(dh0 + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV)
     tl.store(p0, b_dh)
@@ -437,11 +440,10 @@ def gdn_bwd_state_kernel(
 
 @triton.jit
 def gdn_bwd_inter_kernel(
-    q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dhout, du_out, dq_out, dk_out, dw_out, dgc_out, scale,
+    q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dq_out, dk_out, dw_out, dgc_out, scale,
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    NY: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr,
-    PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Per (chunk, batch*head): dq, dk (output and state terms), dw and the gate-gradient terms
     that need the state, looping over value blocks. Parallel over chunks.
@@ -449,11 +451,9 @@ def gdn_bwd_inter_kernel(
     ``hbuf`` (the entering states) comes from a plain state pass run without storing its updates:
     they are rebuilt here as ``vn = u - w h`` from the same bf16 state the pass multiplied, which
     costs one dot per value block and saves a [B,T,Hv,V] buffer (its write and its read).
-    ``dhbuf``/``dvnbuf`` (width ``NY + V``) come from the backward state pass. With ``NY > 0`` they
-    hold zero-``dhout`` gradients plus transposed suffix products, and the true ones are rebuilt
-    as ``dh = dh0 + Y dhout``, ``dvn = dvn0 + dvnY dhout``; the rebuilt dvn is written to ``du_out``.
+    ``dhbuf`` (gradients of the leaving states) and ``dvnbuf`` (d(vn)) come from the plain
+    backward state pass.
     """
-    NSY: tl.constexpr = NY + V
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -466,10 +466,7 @@ def gdn_bwd_inter_kernel(
 
     b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
     sh = hbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * V + i_h * K * V
-    sd = dhbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * NSY + i_h * K * NSY
-    if NY > 0:
-        b_y = tl.load(_mat_ptr(sd, NSY, 0, K, NY)).to(dt)
-        b_vy = _tok_load(dvnbuf, i_b, i_h, T, Hv, NSY, i_t, 0, BT, NY).to(dt)
+    sd = dhbuf + (i_b.to(tl.int64) * NT + i_t) * Hv * K * V + i_h * K * V
 
     b_ds = tl.full([BT, BT], 0.0, tl.float32)
     b_dq = tl.full([BT, K], 0.0, tl.float32)
@@ -480,14 +477,8 @@ def gdn_bwd_inter_kernel(
         c0 = i_v * BV
         b_h = tl.load(_mat_ptr(sh, V, c0, K, BV)).to(dt)
         b_vn = _tok_load(u, i_b, i_h, T, Hv, V, i_t, c0, BT, BV).to(tl.float32) - _mm(b_w, b_h, PREC, UPCAST)
-        b_dh = tl.load(_mat_ptr(sd, NSY, NY + c0, K, BV)).to(tl.float32)
-        b_dvn = _tok_load(dvnbuf, i_b, i_h, T, Hv, NSY, i_t, NY + c0, BT, BV).to(tl.float32)
-        if NY > 0:
-            b_dho = tl.load(_mat_ptr(dhout + i_bh.to(tl.int64) * K * V, V, c0, K, BV))
-            b_dho = b_dho.to(dt)
-            b_dh += _mm(b_y, b_dho, PREC, UPCAST)
-            b_dvn += _mm(b_vy, b_dho, PREC, UPCAST)
-            _tok_store(du_out, i_b, i_h, T, Hv, V, i_t, c0, BT, BV, b_dvn.to(du_out.dtype.element_ty))
+        b_dh = tl.load(_mat_ptr(sd, V, c0, K, BV)).to(tl.float32)
+        b_dvn = _tok_load(dvnbuf, i_b, i_h, T, Hv, V, i_t, c0, BT, BV).to(tl.float32)
         b_do = _tok_load(do, i_b, i_h, T, Hv, V, i_t, c0, BT, BV)
         b_vn = b_vn.to(dt)
         b_ds += _mm(b_do.to(dt), tl.trans(b_vn), PREC, UPCAST)
@@ -527,7 +518,7 @@ def gdn_bwd_inter_kernel(
 @triton.jit
 def gdn_bwd_wy_kernel(
     k, v, beta, gc, tinv, dw, du, dkv, dgc, dv_out, dbeta_out, dg_out,
-    T, DU_STRIDE, DU_OFF,
+    T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
@@ -537,9 +528,8 @@ def gdn_bwd_wy_kernel(
     per value head, holding ``bwd_inter``'s terms).
 
     K and V are walked in ``BC``-wide column blocks: d(Tinv) and k k^T collect over them, so no tile
-    is wider than ``BC`` (the whole-row version spilled registers and ran twice as long). ``du`` rows
-    have stride ``DU_STRIDE`` (elements per token per head) and start at ``DU_OFF``, so d(vn) is read
-    in place from the backward state pass buffer. Dot operands use the token dtype.
+    is wider than ``BC`` (the whole-row version spilled registers and ran twice as long). ``du`` is
+    d(vn), the backward state pass's buffer. Dot operands use the token dtype.
     """
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
@@ -574,7 +564,7 @@ def gdn_bwd_wy_kernel(
 
     # through u: dTinv += du (beta v)^T, d(beta v) = Tinv^T du
     for i_c in tl.static_range(V // BC):
-        b_du = _tok_load(du, i_b, i_h, T, Hv, DU_STRIDE, i_t, DU_OFF + i_c * BC, BT, BC).to(dt)
+        b_du = _tok_load(du, i_b, i_h, T, Hv, V, i_t, i_c * BC, BT, BC).to(dt)
         b_v = _tok_load(v, i_b, i_h, T, Hv, V, i_t, i_c * BC, BT, BC)
         b_vb = (b_v.to(tl.float32) * b_beta[:, None]).to(dt)
         b_dT += _mm(b_du, tl.trans(b_vb), PREC, UPCAST)

@@ -2,7 +2,8 @@
 
 Plain local GDN:   ``gdn_fwd`` / ``gdn_bwd``.
 State-P2P pieces:  ``p2p_fwd_summary`` -> serial ``M @ H + S`` -> ``p2p_fwd_output``;
-                   ``p2p_bwd_summary`` -> serial ``dH_local + M^T dH`` -> ``p2p_bwd_finish``.
+                   ``p2p_bwd_summary`` -> serial ``dH_local + M^T dH`` -> ``p2p_bwd_finish`` (a plain
+                   backward from ``H_in`` and ``dH``).
 All tensors are contiguous ``[B, T, H, D]`` token tensors, fp32 states ``[B, Hv, K, V]``.
 """
 
@@ -27,10 +28,10 @@ NUM_WARPS = {"prepare": 4, "state": 4, "state_aug": 8, "output": 2, "p2p_output"
 NUM_STAGES = {"state": 3, "state_aug": 3, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3, "p2p_output": 1}
 
 
-def _stages(name: str, dtype: torch.dtype, wide: bool = False) -> int:
-    """Software-pipelining depth of a kernel's loop. fp32 tiles (and the augmented bwd_inter, which
-    holds two extra K-wide tiles) overflow Hopper's 227 KiB of shared memory when multi-buffered."""
-    return 1 if (dtype == torch.float32 or wide) else NUM_STAGES[name]
+def _stages(name: str, dtype: torch.dtype) -> int:
+    """Software-pipelining depth of a kernel's loop. fp32 tiles overflow Hopper's 227 KiB of shared
+    memory when multi-buffered."""
+    return 1 if dtype == torch.float32 else NUM_STAGES[name]
 
 
 def _interpret() -> bool:
@@ -174,27 +175,28 @@ def bwd_dv_local(q, k, gc, do, scale):
     return dvl
 
 
-def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0):
+def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0, store: bool = True):
     """Reverse state pass -> (dhbuf [B,NT,Hv,K,ny+V] grads of leaving states, dvnbuf [B,T,Hv,ny+V],
     dh0 fp32 [B,Hv,K,ny+V]). ``ny = K`` carries the transposed suffix products beside them.
-    dhbuf and dvnbuf are in the token dtype: every reader feeds them to a dot in that dtype."""
+    dhbuf and dvnbuf are in the token dtype (every reader feeds them to a dot in that dtype); without
+    ``store`` they are not kept (None): the State-P2P summary needs only dh0."""
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     key = "bwd_state_aug" if ny else "bwd_state"
     NT, NS, BV = triton_cdiv(T, CHUNK_SIZE), ny + V, _state_bv(key, K, V)
-    dhbuf = torch.empty(B, NT, Hv, K, NS, device=q.device, dtype=q.dtype)
-    dvnbuf = torch.empty(B, T, Hv, NS, device=q.device, dtype=q.dtype)
     dh0 = torch.empty(B, Hv, K, NS, device=q.device, dtype=torch.float32)
+    dhbuf = torch.empty(B, NT, Hv, K, NS, device=q.device, dtype=q.dtype) if store else None
+    dvnbuf = torch.empty(B, T, Hv, NS, device=q.device, dtype=q.dtype) if store else None
     _k.gdn_bwd_state_kernel[(NS // BV, B * Hv)](
-        q, k, w, gc, do, dvl, dht if dht is not None else dh0, dhbuf, dvnbuf, dh0, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NX=ny, BT=CHUNK_SIZE, BV=BV, USE_DHT=dht is not None,
+        q, k, w, gc, do, dvl, dht if dht is not None else dh0, dhbuf if store else dh0, dvnbuf if store else dh0,
+        dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, NX=ny, BT=CHUNK_SIZE, BV=BV, USE_DHT=dht is not None, STORE=store,
         num_warps=NUM_WARPS[key], num_stages=_stages(key, q.dtype), **_flags(q.dtype))
     return dhbuf, dvnbuf, dh0
 
 
-def bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale, dh_out: Tensor | None = None, ny: int = 0):
-    """-> (dq [B,T,Hv,K] token dtype, dk fp32 [B,T,Hv,K], dw [B,T,Hv,K] token dtype, dgc fp32 [B,T,Hv],
-    du): the state and intra-chunk terms per value head; ``bwd_prepare`` adds the rest to dk and sums
+def bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale):
+    """-> (dq [B,T,Hv,K] token dtype, dk fp32 [B,T,Hv,K], dw [B,T,Hv,K] token dtype, dgc fp32 [B,T,Hv]):
+    the state and intra-chunk terms per value head; ``bwd_prepare`` adds the rest to dk and sums
     the value heads. dq is complete here, so the token dtype is enough before its fp32 sum (as
     fla-core keeps it); dk still takes the prepare terms, so it stays fp32. ``hbuf`` comes from a
     state pass run with ``store_vn=False`` (the updates are rebuilt from ``w``, ``u``)."""
@@ -205,13 +207,11 @@ def bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale, dh_out: Tensor | N
     dk = torch.empty(B, T, Hv, K, device=q.device, dtype=torch.float32)
     dw = torch.empty(B, T, Hv, K, device=q.device, dtype=q.dtype)  # read only as a dot operand
     dgc = torch.empty(B, T, Hv, device=q.device, dtype=torch.float32)
-    du = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype) if ny else None
     _k.gdn_bwd_inter_kernel[(NT, B * Hv)](
-        q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dh_out if dh_out is not None else dk, du if du is not None else dk,
-        dq, dk, dw, dgc, scale, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NY=ny, BT=CHUNK_SIZE, BV=BV,
-        num_warps=NUM_WARPS["inter"], num_stages=_stages("inter", q.dtype, wide=ny > 0), **_flags(q.dtype))
-    return dq, dk, dw, dgc, du
+        q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dq, dk, dw, dgc, scale, T, NT,
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV,
+        num_warps=NUM_WARPS["inter"], num_stages=_stages("inter", q.dtype), **_flags(q.dtype))
+    return dq, dk, dw, dgc
 
 
 # column block of the prepare backward (tiles wider than 64 spilled registers on an H200)
@@ -219,10 +219,10 @@ WY_BC = 64
 QK_FINISH_ROWS = 32
 
 
-def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, du_off, dqv, dkv, dgc, qk_grad_dtype=None, rstd=None):
+def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, dqv, dkv, dgc, qk_grad_dtype=None, rstd=None):
     """The backward through prepare, and the finished q/k gradients -> (dq, dk [B,T,Hk,K], dv,
     dbeta fp32, dg fp32). ``dqv``/``dkv`` are ``bwd_inter``'s per-value-head terms (``dkv`` is
-    updated in place); ``du`` rows may be wider than V (read from column ``du_off``).
+    updated in place); ``du`` is d(vn) from the backward state pass.
     ``rstd = (q_rstd, k_rstd)``: q and k are L2-normalised inputs and dq/dk are returned w.r.t. the
     raw ones. dq/dk come in ``qk_grad_dtype`` (default q's)."""
     B, T, Hk, Hv, K, V, NT = _dims(None, k, v)
@@ -230,7 +230,7 @@ def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, du_off, dqv, dkv, dgc, qk_grad_
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     _k.gdn_bwd_wy_kernel[(NT, B * Hv)](
-        k, v, beta, gc, tinv, dw, du, dkv, dgc, dv, dbeta, dg, T, du.shape[-1], du_off,
+        k, v, beta, gc, tinv, dw, du, dkv, dgc, dv, dbeta, dg, T,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BC=min(WY_BC, K, V), num_warps=NUM_WARPS["bwd_wy"], **_flags(k.dtype))
     out = dict(device=k.device, dtype=qk_grad_dtype or q.dtype)
     dq, dk = torch.empty(B, T, Hk, K, **out), torch.empty(B, T, Hk, K, **out)
@@ -242,21 +242,22 @@ def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, du_off, dqv, dkv, dgc, qk_grad_
     return dq, dk, dv, dbeta, dg
 
 
-def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None, rstd=None):
+def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None, rstd=None, dvl=None):
     """Plain local backward -> (dq, dk, dv, dg, dbeta, dh0 fp32). Recomputes the chunk states.
     ``qk_grad_dtype``: dtype of dq, dk (default q's; the layer ops ask for the dtype q and k had before
     their cast to the kernel dtype, so fp32 gradients are not rounded through bf16).
-    ``rstd``: see ``bwd_prepare``. Each buffer is dropped after its last reader (peak memory)."""
+    ``rstd``: see ``bwd_prepare``; ``dvl``: ``bwd_dv_local``'s result when the caller has it.
+    Each buffer is dropped after its last reader (peak memory)."""
     h0 = h0.float().contiguous() if h0 is not None else None
     dht = dht.float().contiguous() if dht is not None else None
     do = do.contiguous()
     hbuf, _, _ = fwd_state(k, w, u, gc, h0, store_vn=False)
-    dvl = bwd_dv_local(q, k, gc, do, scale)
+    dvl = bwd_dv_local(q, k, gc, do, scale) if dvl is None else dvl
     dhbuf, dvnbuf, dh0 = bwd_state(q, k, w, gc, do, dvl, dht, scale)
     del dvl
-    dqv, dkv, dw, dgc, _ = bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale)
+    dqv, dkv, dw, dgc = bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale)
     del hbuf, dhbuf
-    dq, dk, dv, dbeta, dg = bwd_prepare(q, k, v, beta, gc, tinv, dw, dvnbuf, 0, dqv, dkv, dgc, qk_grad_dtype, rstd)
+    dq, dk, dv, dbeta, dg = bwd_prepare(q, k, v, beta, gc, tinv, dw, dvnbuf, dqv, dkv, dgc, qk_grad_dtype, rstd)
     return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype), dh0
 
 
@@ -286,26 +287,24 @@ def p2p_fwd_output(q, k, saved, h_in: Tensor, scale: float) -> Tensor:
 
 def p2p_bwd_summary(q, k, w, gc, do, scale):
     """Gradient of the rank's loss w.r.t. its incoming state through its own outputs (``dH_local``,
-    fp32 [B,Hv,K,V]) plus ``M^T`` from the same pass, and what ``p2p_bwd_finish`` needs. The serial
-    chain then only does ``dH_in = dH_local + M^T dH_out``."""
+    fp32 [B,Hv,K,V]), ``M^T`` from the same pass, and the intra-chunk d(vn) (``dvl``, kept for the
+    finish). The serial chain then only does ``dH_in = dH_local + M^T dH_out``. One augmented
+    reverse pass that keeps nothing per chunk: the finish is a plain backward from the true ``dH_out``."""
     K = k.shape[-1]
     dvl = bwd_dv_local(q, k, gc, do, scale)
-    dhbuf, dvnbuf, dh0 = bwd_state(q, k, w, gc, do, dvl, None, scale, ny=K)
-    return dh0[..., K:], dh0[..., :K], (dhbuf, dvnbuf)
+    _, _, dh0 = bwd_state(q, k, w, gc, do, dvl, None, scale, ny=K, store=False)
+    return dh0[..., K:], dh0[..., :K], dvl
 
 
-def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale, qk_grad_dtype=None):
+def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dh_out, scale, qk_grad_dtype=None):
     """Input gradients of the rank once its incoming state ``h_in`` and the gradient of its leaving
-    state ``dh_out`` are known -> (dq, dk, dv, dg, dbeta); ``qk_grad_dtype`` as in ``gdn_bwd``."""
-    K = k.shape[-1]
-    dhbuf, dvnbuf = dsaved
-    h_in = h_in.float().contiguous() if h_in is not None else None
-    dh_out = dh_out.float().contiguous() if dh_out is not None else dhbuf.new_zeros(*dhbuf.shape[:1], *dhbuf.shape[2:4], v.shape[-1], dtype=torch.float32)
-    hbuf, _, _ = fwd_state(k, w, u, gc, h_in, store_vn=False)
-    dqv, dkv, dw, dgc, du = bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale, dh_out=dh_out, ny=K)
-    del hbuf
-    dq, dk, dv, dbeta, dg = bwd_prepare(q, k, v, beta, gc, tinv, dw, du, 0, dqv, dkv, dgc, qk_grad_dtype)
-    return dq, dk, dv, dg.to(g.dtype), dbeta.to(beta.dtype)
+    state ``dh_out`` are known -> (dq, dk, dv, dg, dbeta): the plain backward from both.
+
+    The finish used to rebuild each chunk's state gradient from suffix products the summary stored
+    (``dh = dh0 + Y dH_out``): 1.6x a plain backward in all, with the summary's per-chunk buffers
+    (K + V wide) held across the chain. A plain backward after a summary that stores nothing costs
+    one extra reverse pass instead."""
+    return gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dh_out, scale, qk_grad_dtype, dvl=dvl)[:5]
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm

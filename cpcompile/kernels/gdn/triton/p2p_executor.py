@@ -114,14 +114,14 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
     with record_function("gdn_p2p_bwd.local_summary"):
         incoming = ring.post_recv(h_in, +1)
         gc, w, u, tinv = launch.fwd_prepare(kd, v, g, beta)
-        dh_local, m_t, dsaved = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
+        dh_local, m_t, dvl = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
     with record_function("gdn_p2p_bwd.chain"):
         dh_out = _received(incoming)
         sent = None
         if ring.rank > 0:
             sent = ring.send(chain_grad_step(m_t.mT, dh_local, dh_out), -1)
     with record_function("gdn_p2p_bwd.finish"):
-        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dsaved, dh_out, scale,
+        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dh_out, scale,
                                       qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
         if sent is not None:
             _wait(sent)
