@@ -3,7 +3,7 @@
 #   tests    the GPU test set (-m gpu): local attention kernels, SDPA regions on CUDA, GDN kernels
 #            and layer; with two GPUs, every SDPA method over NCCL (bf16 judged against fp32)
 #   attn     benchmarks/local_attention.py: a rank's local attention vs one fused call (one GPU)
-#   gdn      benchmarks/gdn_kernels.py (fla-core installed for the comparison)
+#   gdn      benchmarks/gdn_kernels.py and gdn_accuracy.py (fla-core installed for the comparison)
 #   packed   packed documents on one GPU (a short run; not in the default): their GPU tests
 #            (per-document Head-Tail's FlexAttention at query positions, packed GDN eager and triton),
 #            and local_attention.py at 32K with documents, per-document Head-Tail included
@@ -33,6 +33,8 @@ if has gdn; then
   # SIGINT at the limit: the benchmark writes the tables of what it measured so far
   timeout -s INT "$bench_seconds" python3 benchmarks/gdn_kernels.py --T 16384 32768 65536 8192 --no-breakdown \
     --out "$out/gdn_kernels.md" 2>&1 | tee "$out/bench.log"
+  # fla-core autotunes again in this process: give it minutes
+  timeout 300 python3 benchmarks/gdn_accuracy.py --T 4096 --seeds 1 2 --out "$out/gdn_accuracy.md" 2>&1 | grep "^|"
 fi
 if has packed; then
   timeout 600 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels -k "query_positions or packed" -s \
