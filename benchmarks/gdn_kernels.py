@@ -184,7 +184,7 @@ def bench_p2p(T, warmup, repeat, rows):
     def p2p_bwd():
         dl, mt, dvl = L.p2p_bwd_summary(q, k, w, gc, do, scale)
         chain_grad_step(mt.transpose(-1, -2), dl, dht)
-        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dht, scale)
+        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, [dvl], dht, scale)
     t_bp2p = time_cuda(p2p_bwd, warmup, repeat)
     ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
     got_g = p2p_bwd()

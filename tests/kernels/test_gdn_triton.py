@@ -18,6 +18,7 @@ HAS_CUDA = torch.cuda.is_available()  # without it, tests/conftest.py chose Trit
 
 pytest.importorskip("triton")
 
+from cpcompile.errors import CPInputError  # noqa: E402
 from cpcompile.kernels import chunk_gated_delta_rule  # noqa: E402
 from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager  # noqa: E402
 from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step  # noqa: E402
@@ -205,6 +206,15 @@ def test_l2norm_inside_the_op_matches_torch():
     assert _rel(o, orf) < 1e-5
     for a, b in zip(leaves, ref_leaves):
         assert _rel(a.grad, b.grad) < 1e-4
+
+
+@cpu_only
+def test_backward_refuses_one_rstd_without_the_other():
+    q, k, v, g, beta, _ = _inputs(1, 64, 1, 1, 16, 16, torch.float32, seed=13)
+    o, ht, gc, w, u, tinv, qn, kn, q_rstd, _ = torch.ops.cpcompile.gdn_chunk_fwd(q, k, v, g, beta, None, 0.25, True)
+    with pytest.raises(CPInputError, match="q_rstd and k_rstd"):
+        torch.ops.cpcompile.gdn_chunk_bwd(qn, kn, v, g, beta, None, gc, w, u, tinv, torch.randn_like(o), None, 0.25,
+                                          q_rstd, None)
 
 
 @cpu_only

@@ -540,7 +540,7 @@ def gdn_bwd_wy_kernel(
     row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
     dt = k.dtype.element_ty
     b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
-    b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
+    b_gc, _, _ = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
     b_egc = tl.exp(b_gc)
     b_T = tl.trans(_tok_load(tinv, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT))  # Tinv^T, fp32
     b_Tc = b_T.to(dt)

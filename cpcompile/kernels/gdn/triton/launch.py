@@ -44,7 +44,7 @@ def _flags(dtype: torch.dtype) -> dict:
     return {"PREC": "tf32x3" if dtype == torch.float32 else "tf32", "UPCAST": _interpret()}
 
 
-def _dims(q: Tensor | None, k: Tensor, v: Tensor):
+def _dims(k: Tensor, v: Tensor):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     return B, T, Hk, Hv, K, V, triton_cdiv(T, CHUNK_SIZE)
@@ -91,7 +91,7 @@ def _state_bv(key: str, K: int, V: int) -> int:
 
 def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
     """-> (gc fp32 [B,T,Hv], w [B,T,Hv,K], u [B,T,Hv,V] in k's dtype, tinv fp32 [B,T,Hv,64])."""
-    B, T, Hk, Hv, K, V, NT = _dims(None, k, v)
+    B, T, Hk, Hv, K, V, NT = _dims(k, v)
     gc = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=k.dtype)
@@ -109,7 +109,7 @@ def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, nx
     -> (hbuf [B,cdiv(NT,hstride),Hv,K,nx+V] entering states of every ``hstride``-th chunk,
     vnbuf [B,T,Hv,nx+V] updates (None unless ``store_vn``), ht fp32 [B,Hv,K,nx+V]).
     """
-    B, T, Hk, Hv, K, V, NT = _dims(None, k, u)
+    B, T, Hk, Hv, K, V, NT = _dims(k, u)
     NS = nx + V
     key = "state_aug" if nx else "state"
     BV = _state_bv(key, K, V)
@@ -177,7 +177,7 @@ def bwd_dv_local(q, k, gc, do, scale):
 
 def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0, store: bool = True):
     """Reverse state pass -> (dhbuf [B,NT,Hv,K,ny+V] grads of leaving states, dvnbuf [B,T,Hv,ny+V],
-    dh0 fp32 [B,Hv,K,ny+V]). ``ny = K`` carries the transposed suffix products beside them.
+    dh0 fp32 [B,Hv,K,ny+V]). ``ny = K`` runs the augmented pass: ``dh0[..., :K]`` is then ``M^T``.
     dhbuf and dvnbuf are in the token dtype (every reader feeds them to a dot in that dtype); without
     ``store`` they are not kept (None): the State-P2P summary needs only dh0."""
     B, T, Hk, K = q.shape
@@ -225,7 +225,7 @@ def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, dqv, dkv, dgc, qk_grad_dtype=No
     updated in place); ``du`` is d(vn) from the backward state pass.
     ``rstd = (q_rstd, k_rstd)``: q and k are L2-normalised inputs and dq/dk are returned w.r.t. the
     raw ones. dq/dk come in ``qk_grad_dtype`` (default q's)."""
-    B, T, Hk, Hv, K, V, NT = _dims(None, k, v)
+    B, T, Hk, Hv, K, V, NT = _dims(k, v)
     dv = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
@@ -245,7 +245,7 @@ def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, dqv, dkv, dgc, qk_grad_dtype=No
 def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None, rstd=None, dvl=None):
     """Plain local backward -> (dq, dk, dv, dg, dbeta, dh0 fp32). Recomputes the chunk states.
     ``qk_grad_dtype``: dtype of dq, dk (default q's; the layer ops ask for the dtype q and k had before
-    their cast to the kernel dtype, so fp32 gradients are not rounded through bf16).
+    their cast to the kernel dtype, so the fp32 sums are not rounded through bf16 at the end).
     ``rstd``: see ``bwd_prepare``; ``dvl``: ``bwd_dv_local``'s result when the caller has it.
     Each buffer is dropped after its last reader (peak memory)."""
     h0 = h0.float().contiguous() if h0 is not None else None
@@ -296,15 +296,18 @@ def p2p_bwd_summary(q, k, w, gc, do, scale):
     return dh0[..., K:], dh0[..., :K], dvl
 
 
-def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dh_out, scale, qk_grad_dtype=None):
+def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, held_dvl: list, dh_out, scale, qk_grad_dtype=None):
     """Input gradients of the rank once its incoming state ``h_in`` and the gradient of its leaving
     state ``dh_out`` are known -> (dq, dk, dv, dg, dbeta): the plain backward from both.
+    ``held_dvl``: ``[dvl]`` from the summary (emptied here, so the plain backward can free the buffer
+    after its last reader), or ``[]`` to compute it.
 
     The finish used to rebuild each chunk's state gradient from suffix products the summary stored
     (``dh = dh0 + Y dH_out``): 1.6x a plain backward in all, with the summary's per-chunk buffers
     (K + V wide) held across the chain. A plain backward after a summary that stores nothing costs
     one extra reverse pass instead."""
-    return gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dh_out, scale, qk_grad_dtype, dvl=dvl)[:5]
+    return gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dh_out, scale, qk_grad_dtype,
+                   dvl=held_dvl.pop() if held_dvl else None)[:5]
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm

@@ -3,8 +3,9 @@
 - ``cpcompile::gdn_chunk_fwd`` / ``cpcompile::gdn_chunk_bwd``: the local core, with autograd
   (``gdn_chunk_fwd`` also returns what its backward needs: gate cumsum ``gc``, ``w``, ``u``, the
   per-chunk ``(I + A)^-1`` and, with ``qk_l2norm``, the normalised q/k and their rstd; they are not
-  differentiable). The q/k L2 norm lives inside the op, so its backward takes the fp32 dq/dk of the
-  core's last kernel instead of gradients rounded to the token dtype between two ops.
+  differentiable). The q/k L2 norm lives inside the op, so its backward takes the core's fp32 dk
+  and its dq as an fp32 sum of per-value-head terms, instead of both rounded to the token dtype
+  between two ops.
 
 State-P2P has no kernel-level ops here: its executor (``p2p_executor``, inside the layer-level
 ``cpcompile::gdn_p2p_chunk``) calls the launch functions directly.
@@ -20,6 +21,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from ....errors import CPInputError
 from ..common import CHUNK_SIZE
 from . import launch
 from .capability import check_device
@@ -56,8 +58,8 @@ def _(q, k, v, g, beta, initial_state, scale, qk_l2norm=False):
     B, T, Hk, K = k.shape
     Hv, V = v.shape[2], v.shape[3]
     f32 = torch.float32
-    if qk_l2norm:
-        norm = (torch.empty_like(q), torch.empty_like(k), q.new_empty(B, T, Hk, dtype=f32), k.new_empty(B, T, Hk, dtype=f32))
+    if qk_l2norm:  # the real op normalises contiguous copies
+        norm = (q.new_empty(q.shape), k.new_empty(k.shape), q.new_empty(B, T, Hk, dtype=f32), k.new_empty(B, T, Hk, dtype=f32))
     else:
         norm = tuple(q.new_empty(0) for _ in range(4))
     return (q.new_empty(B, T, Hv, V), q.new_empty(B, Hv, K, V, dtype=f32), q.new_empty(B, T, Hv, dtype=f32),
@@ -72,6 +74,9 @@ def gdn_chunk_bwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, init
     """-> (dq, dk, dv, dg, dbeta in their inputs' dtypes, d initial state fp32 [B,Hv,K,V]).
     With ``q_rstd``/``k_rstd``, q and k are the normalised ones and dq/dk are w.r.t. the raw inputs."""
     check_device(q.device.type, q.device.index)
+    if (q_rstd is None) != (k_rstd is None):
+        raise CPInputError("cpcompile::gdn_chunk_bwd: q_rstd and k_rstd come together (q and k normalised in the "
+                           "op) or not at all")
     rstd = (_c(q_rstd), _c(k_rstd)) if q_rstd is not None else None
     return launch.gdn_bwd(_c(q), _c(k), _c(v), _c(g), _c(beta), _c(initial_state), _c(gc), _c(w), _c(u), _c(tinv),
                           _c(do), _c(dht), scale, rstd=rstd)

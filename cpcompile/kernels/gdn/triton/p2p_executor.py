@@ -2,8 +2,9 @@
 
 Forward, rank r of P:   irecv H_in from r-1  |  summary (M, S)  ->  wait H_in  ->  isend M·H_in + S to r+1
                         ->  output from H_in  ->  wait the send.
-Backward:               irecv dH_out from r+1  |  state-gradient summary (dH_local, suffix products)
-                        ->  wait dH_out  ->  isend dH_local + Mᵀ·dH_out to r-1  ->  finish (input grads).
+Backward:               irecv dH_out from r+1  |  state-gradient summary (dH_local, Mᵀ)
+                        ->  wait dH_out  ->  isend dH_local + Mᵀ·dH_out to r-1  ->  finish (the plain
+                        backward from H_in and dH_out). Rank 0 sends nothing back: no summary.
 
 Only fp32 states and the small `M·H + S` / `Mᵀ·dH` products are serial between ranks; everything
 else runs while the neighbour is busy. Rank 0 has no entering state: it runs the plain forward and
@@ -114,14 +115,19 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
     with record_function("gdn_p2p_bwd.local_summary"):
         incoming = ring.post_recv(h_in, +1)
         gc, w, u, tinv = launch.fwd_prepare(kd, v, g, beta)
-        dh_local, m_t, dvl = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
+        # the summary's dvl travels in a list the finish empties, so it is freed after its last reader
+        held_dvl = []
+        if ring.rank > 0:
+            dh_local, m_t, dvl = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
+            held_dvl.append(dvl)
+            del dvl
     with record_function("gdn_p2p_bwd.chain"):
         dh_out = _received(incoming)
         sent = None
         if ring.rank > 0:
             sent = ring.send(chain_grad_step(m_t.mT, dh_local, dh_out), -1)
     with record_function("gdn_p2p_bwd.finish"):
-        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dvl, dh_out, scale,
+        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, held_dvl, dh_out, scale,
                                       qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
         if sent is not None:
             _wait(sent)
