@@ -66,7 +66,7 @@ def two_op_order(xs, do):
 
     q, k, v, g, beta = (x.detach() for x in xs)
     (qn, q_rstd), (kn, k_rstd) = L.l2norm_fwd(q), L.l2norm_fwd(k)
-    scale = DK ** -0.5
+    scale = k.shape[-1] ** -0.5  # the op's default, as the API path uses
     o, _, gc, w, u, tinv = L.gdn_fwd(qn, kn, v, g, beta, None, scale)
     dq, dk, dv, dg, dbeta, _ = L.gdn_bwd(qn, kn, v, g, beta, None, gc, w, u, tinv, do, None, scale)
 
@@ -133,9 +133,6 @@ def main():
         has_fla = not args.smoke
     except ImportError:
         has_fla = False
-    if args.smoke:
-        global DK
-        DK = dims[3]
     rows = {}
     for seed in args.seeds:
         xs, do = make_inputs(T, seed=seed, dims=dims, device=device)
