@@ -8,7 +8,8 @@
 #            (per-document Head-Tail's FlexAttention at query positions, packed GDN eager and triton),
 #            and local_attention.py at 32K with documents, per-document Head-Tail included
 #   order    one GPU (a short run; not in the default): where the async methods' launches and waits
-#            and GDN State-P2P's messages fall among the kernels (fake process group: order only)
+#            and GDN State-P2P's messages fall among the kernels on ranks 0, 1 and 2 of 3 (fake process
+#            group: order only)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -45,8 +46,10 @@ fi
 if has order; then
   timeout 300 python3 benchmarks/overlap_timeline.py --methods all_gather ulysses hybrid --seq 8192 \
     --dump-dir /tmp/overlap_timeline --out "$out/overlap_timeline.md" 2>&1 | grep "^|"
-  timeout 200 python3 benchmarks/gdn_p2p_timeline.py --T 16384 --dump-dir /tmp/gdn_p2p_timeline \
-    --out "$out/gdn_p2p_timeline.md" 2>&1 | grep -E "^\||^\*\*"
+  for rank in 0 1 2; do  # the first, a middle and the last rank of three
+    timeout 200 python3 benchmarks/gdn_p2p_timeline.py --T 16384 --rank "$rank" --dump-dir /tmp/gdn_p2p_timeline \
+      --out "$out/gdn_p2p_timeline_rank$rank.md" 2>&1 | grep -E "^\||^\*\*"
+  done
 fi
 if has multi && [ "$gpus" -ge 2 ]; then
   timeout 900 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp_methods.py --device cuda \

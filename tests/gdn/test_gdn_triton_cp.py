@@ -397,8 +397,9 @@ class LoopbackRing:
         return self.Done()
 
 
-def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int) -> dict:
-    """The executor over `world` segments of one sequence vs the triton core on the whole of it."""
+def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int, ring=None) -> dict:
+    """The executor over `world` segments of one sequence vs the triton core on the whole of it
+    (``ring``: a ``LoopbackRing`` of ``world`` ranks, default a new one)."""
     from cpcompile.kernels.gdn.triton.p2p_executor import p2p_backward, p2p_forward
 
     q, k, v, _, _, _ = _op_inputs(1, T, 2, 4, 128, 128, dtype, device, seed)
@@ -410,7 +411,7 @@ def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int) -> di
     full = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
     o_ref = torch.ops.cpcompile.gdn_chunk(*full, None, scale, CHUNK, "triton")
     (o_ref.float() * d_o.float()).sum().backward()
-    ring, cut = LoopbackRing(world), T // world
+    ring, cut = ring or LoopbackRing(world), T // world
     segments = [[x[:, r * cut:(r + 1) * cut].detach() for x in (q, k, v, g, beta)] for r in range(world)]
     outs, states, grads = [], [], [None] * world
     for ring.rank in range(world):
@@ -430,6 +431,44 @@ def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int) -> di
 def test_p2p_executor_loopback_in_interpreter():
     errors = loopback_p2p_errors(3 * 70, 3, torch.float32, "cpu", seed=5)
     assert max(errors.values()) <= 1e-4, errors
+
+
+class WaitLoggingRing(LoopbackRing):
+    """Logs ("wait", rank) when a rank waits for the state gradient from r+1 (a backward receive)."""
+
+    def __init__(self, world: int, log: list):
+        super().__init__(world)
+        self.log = log
+
+    def post_recv(self, like, offset):
+        posted = super().post_recv(like, offset)
+        if posted is None or offset != +1:
+            return posted
+        log, rank = self.log, self.rank
+
+        class Work:
+            def wait(self):
+                log.append(("wait", rank))
+
+        return posted[0], Work()
+
+
+@cpu_only
+def test_p2p_backward_rank0_fills_its_wait_and_the_others_send_first(monkeypatch):
+    """Rank 0 has no summary and nothing waits on it: the finish's state pass from H_in runs before
+    its wait. Ranks > 0 keep only the summary before their wait, which also precedes their send."""
+    from cpcompile.kernels.gdn.triton import launch
+
+    log: list = []
+    ring = WaitLoggingRing(3, log)
+    for name in ("p2p_bwd_summary", "p2p_bwd_states"):
+        def logged(*args, _real=getattr(launch, name), _name=name, **kwargs):
+            log.append((_name, ring.rank))
+            return _real(*args, **kwargs)
+        monkeypatch.setattr(launch, name, logged)
+    errors = loopback_p2p_errors(3 * 70, 3, torch.float32, "cpu", seed=8, ring=ring)
+    assert max(errors.values()) <= 1e-4, errors
+    assert log == [("p2p_bwd_summary", 2), ("p2p_bwd_summary", 1), ("wait", 1), ("p2p_bwd_states", 0), ("wait", 0)]
 
 
 def _gpu_body(rank: int, world: int, seed: int) -> dict:

@@ -92,7 +92,7 @@ def gdn_p2p_bwd_finish(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     """-> (dq, dk, dv, dg, dbeta) once the incoming state and the leaving-state gradient are known."""
     check_device(q.device.type, q.device.index)
     return launch.p2p_bwd_finish(_c(q), _c(k), _c(v), _c(g), _c(beta), _c(gc), _c(w), _c(u), _c(tinv), _c(do),
-                                 h_in, [_c(dvl)], dh_out, scale)
+                                 h_in, {"dvl": _c(dvl)}, dh_out, scale)
 
 
 @gdn_p2p_bwd_finish.register_fake

@@ -242,16 +242,18 @@ def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, dqv, dkv, dgc, qk_grad_dtype=No
     return dq, dk, dv, dbeta, dg
 
 
-def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None, rstd=None, dvl=None):
+def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=None, rstd=None, dvl=None,
+            hbuf=None):
     """Plain local backward -> (dq, dk, dv, dg, dbeta, dh0 fp32). Recomputes the chunk states.
     ``qk_grad_dtype``: dtype of dq, dk (default q's; the layer ops ask for the dtype q and k had before
     their cast to the kernel dtype, so the fp32 sums are not rounded through bf16 at the end).
-    ``rstd``: see ``bwd_prepare``; ``dvl``: ``bwd_dv_local``'s result when the caller has it.
-    Each buffer is dropped after its last reader (peak memory)."""
+    ``rstd``: see ``bwd_prepare``; ``dvl`` (``bwd_dv_local``) and ``hbuf`` (the per-chunk states from
+    ``h0``) when the caller has them. Each buffer is dropped after its last reader (peak memory)."""
     h0 = h0.float().contiguous() if h0 is not None else None
     dht = dht.float().contiguous() if dht is not None else None
     do = do.contiguous()
-    hbuf, _, _ = fwd_state(k, w, u, gc, h0, store_vn=False)
+    if hbuf is None:
+        hbuf, _, _ = fwd_state(k, w, u, gc, h0, store_vn=False)
     dvl = bwd_dv_local(q, k, gc, do, scale) if dvl is None else dvl
     dhbuf, dvnbuf, dh0 = bwd_state(q, k, w, gc, do, dvl, dht, scale)
     del dvl
@@ -296,18 +298,26 @@ def p2p_bwd_summary(q, k, w, gc, do, scale):
     return dh0[..., K:], dh0[..., :K], dvl
 
 
-def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, held_dvl: list, dh_out, scale, qk_grad_dtype=None):
+def p2p_bwd_states(k, w, u, gc, h_in):
+    """The finish's per-chunk states, recomputed from ``H_in`` (the forward kept only the summary's
+    strided ones). They need no ``dH_out``: rank 0, which has no summary to run, computes them
+    while ``dH_out`` is on its way."""
+    return fwd_state(k, w, u, gc, h_in.float().contiguous(), store_vn=False)[0]
+
+
+def p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, held: dict, dh_out, scale, qk_grad_dtype=None):
     """Input gradients of the rank once its incoming state ``h_in`` and the gradient of its leaving
     state ``dh_out`` are known -> (dq, dk, dv, dg, dbeta): the plain backward from both.
-    ``held_dvl``: ``[dvl]`` from the summary (emptied here, so the plain backward can free the buffer
-    after its last reader), or ``[]`` to compute it.
+    ``held``: what the caller computed before ``dh_out`` arrived, ``"dvl"`` (the summary's or
+    ``bwd_dv_local``'s) and ``"hbuf"`` (``p2p_bwd_states``); emptied here, so the plain backward
+    frees each buffer after its last reader. A missing entry is computed.
 
     The finish used to rebuild each chunk's state gradient from suffix products the summary stored
     (``dh = dh0 + Y dH_out``): 1.6x a plain backward in all, with the summary's per-chunk buffers
     (K + V wide) held across the chain. A plain backward after a summary that stores nothing costs
-    one extra reverse pass instead."""
+    one extra reverse pass instead (1.2x)."""
     return gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dh_out, scale, qk_grad_dtype,
-                   dvl=held_dvl.pop() if held_dvl else None)[:5]
+                   dvl=held.pop("dvl", None), hbuf=held.pop("hbuf", None))[:5]
 
 
 # ----------------------------------------------------------------------------- q/k L2 norm

@@ -4,7 +4,8 @@ Forward, rank r of P:   irecv H_in from r-1  |  summary (M, S)  ->  wait H_in  -
                         ->  output from H_in  ->  wait the send.
 Backward:               irecv dH_out from r+1  |  state-gradient summary (dH_local, Mᵀ)
                         ->  wait dH_out  ->  isend dH_local + Mᵀ·dH_out to r-1  ->  finish (the plain
-                        backward from H_in and dH_out). Rank 0 sends nothing back: no summary.
+                        backward from H_in and dH_out). Rank 0 sends nothing back: no summary; the
+                        finish's work that needs no dH_out runs before its wait instead.
 
 Only fp32 states and the small `M·H + S` / `Mᵀ·dH` products are serial between ranks; everything
 else runs while the neighbour is busy. Rank 0 has no entering state: it runs the plain forward and
@@ -115,19 +116,22 @@ def p2p_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int, ring
     with record_function("gdn_p2p_bwd.local_summary"):
         incoming = ring.post_recv(h_in, +1)
         gc, w, u, tinv = launch.fwd_prepare(kd, v, g, beta)
-        # the summary's dvl travels in a list the finish empties, so it is freed after its last reader
-        held_dvl = []
+        # buffers for the finish travel in a dict it empties, so each is freed after its last reader
         if ring.rank > 0:
             dh_local, m_t, dvl = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
-            held_dvl.append(dvl)
+            held = {"dvl": dvl}
             del dvl
+        else:  # sends nothing back, so nothing waits on it: the finish's part that needs no dH_out
+            # fills its wait (as long as the other ranks' summaries; docs/gdn.md)
+            held = {"dvl": launch.bwd_dv_local(qd, kd, gc, do, scale),
+                    "hbuf": launch.p2p_bwd_states(kd, w, u, gc, h_in)}
     with record_function("gdn_p2p_bwd.chain"):
         dh_out = _received(incoming)
         sent = None
         if ring.rank > 0:
             sent = ring.send(chain_grad_step(m_t.mT, dh_local, dh_out), -1)
     with record_function("gdn_p2p_bwd.finish"):
-        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, held_dvl, dh_out, scale,
+        grads = launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, held, dh_out, scale,
                                       qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
         if sent is not None:
             _wait(sent)
