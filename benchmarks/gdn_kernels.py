@@ -12,8 +12,9 @@ forward+backward; plus the State-P2P local cost (summary + output-with-state) ag
 forward; the GDN CP wrappers' triton backend as the rewritten graph calls it (plain core
 ``cpcompile::gdn_chunk`` vs a middle rank's State-P2P executor, ``cpcompile::gdn_p2p_chunk``, whose
 messages complete at once); and a per-kernel breakdown at 16K (``--no-breakdown`` skips it).
-``--p2p-variants`` instead times only the plain forward against every State-P2P forward variant (see
-``bench_p2p_variants``) and needs no fla-core. Interrupted (Ctrl-C, ``timeout -s INT``), it still
+``--p2p-variants`` instead times only the plain forward against every State-P2P forward variant, and
+the plain backward against every variant of the backward summary (see ``bench_p2p_variants``); it
+needs no fla-core. Interrupted (Ctrl-C, ``timeout -s INT``), it still
 writes what it measured.
 On a fresh machine fla-core's first call compiles and autotunes for minutes: give a full run 5+ minutes.
 
@@ -167,9 +168,9 @@ def bench_p2p(T, warmup, repeat, rows):
         h_out = chain_step(M, S, h_in)
         return L.p2p_fwd_output(q, k, saved, h_in, scale), h_out
 
-    o_ref = plain()
-    o_p2p, _ = p2p()
-    err = ((o_p2p.float() - o_ref.float()).norm() / o_ref.float().norm()).item()
+    o_ref, h_ref = L.gdn_fwd(q, k, v, g, beta, h_in, scale)[:2]
+    o_p2p, h_p2p = p2p()
+    err = max(_rel(o_p2p, o_ref), _rel(h_p2p, h_ref))
     t_plain = time_cuda(plain, warmup, repeat)
     t_p2p = time_cuda(p2p, warmup, repeat)
     _, _, saved = L.p2p_fwd_summary(k, v, g, beta)
@@ -181,14 +182,14 @@ def bench_p2p(T, warmup, repeat, rows):
     dht = torch.randn_like(ht)
     t_bplain = time_cuda(lambda: L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale), warmup, repeat)
 
-    def p2p_bwd():
+    def p2p_bwd():  # as a middle rank runs it
         dl, mt, dvl = L.p2p_bwd_summary(q, k, w, gc, do, scale)
-        chain_grad_step(mt.transpose(-1, -2), dl, dht)
-        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, [dvl], dht, scale)
+        dh_in = chain_grad_step(mt.transpose(-1, -2), dl, dht)
+        return L.p2p_bwd_finish(q, k, v, g, beta, gc, w, u, tinv, do, h_in, {"dvl": dvl}, dht, scale), dh_in
     t_bp2p = time_cuda(p2p_bwd, warmup, repeat)
     ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
-    got_g = p2p_bwd()
-    gerr = max(((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got_g, ref_g[:5]))
+    got_g, got_dh = p2p_bwd()
+    gerr = max(_rel(a, b) for a, b in zip([*got_g, got_dh], ref_g))
     rows.append(dict(T=T, plain=t_plain, p2p=t_p2p, summary=t_sum, output=t_out, err=err,
                      bplain=t_bplain, bp2p=t_bp2p, gerr=gerr))
     print(f"  P2P T={T}: plain fwd {t_plain:.3f} ms, summary {t_sum:.3f} + output {t_out:.3f} "
@@ -196,13 +197,15 @@ def bench_p2p(T, warmup, repeat, rows):
           f"({t_bp2p / t_bplain:.2f}x); |o_p2p-o|/|o| {err:.1e}, grads {gerr:.1e}", flush=True)
 
 
-# ----------------------------------------------------------------------------- State-P2P forward variants
+# ----------------------------------------------------------------------------- State-P2P variants
 
 # variant keys -> launch tunables: module globals (``_set``) or entries of NUM_WARPS / NUM_STAGES
 _DICT_KNOBS = {"ow": ("NUM_WARPS", "p2p_output"), "ost": ("NUM_STAGES", "p2p_output"),
-               "sw": ("NUM_WARPS", "state_aug"), "plain_ow": ("NUM_WARPS", "output")}
-P2P_GRID = {"hs": [4, 8, 16, 32], "sbv": [32, 64], "sw": [4, 8], "obv": [64, 128], "ow": [4, 8], "ost": [1],
-            "plain_obv": [64, 128], "plain_ow": [4]}
+               "sbv": ("STATE_BV", "state_aug"), "sw": ("NUM_WARPS", "state_aug"), "sst": ("NUM_STAGES", "state_aug"),
+               "plain_ow": ("NUM_WARPS", "output"), "bbv": ("STATE_BV", "bwd_state_aug"),
+               "bw": ("NUM_WARPS", "bwd_state_aug"), "bst": ("NUM_STAGES", "bwd_state_aug")}
+P2P_GRID = {"hs": [4, 8, 16, 32], "sbv": [32, 64], "sw": [4, 8], "sst": [3], "obv": [64, 128], "ow": [4, 8],
+            "ost": [1], "plain_obv": [64, 128], "plain_ow": [4], "bbv": [64], "bw": [4], "bst": [3]}
 
 
 def _set(L, **kw):
@@ -210,9 +213,7 @@ def _set(L, **kw):
     names = {"hs": "P2P_HSTRIDE", "obv": "P2P_OUTPUT_BV", "plain_obv": "OUTPUT_BV"}
     old = {}
     for key, val in kw.items():
-        if key == "sbv":
-            old[key], L.STATE_BV["state_aug"] = L.STATE_BV["state_aug"], val
-        elif key in _DICT_KNOBS:
+        if key in _DICT_KNOBS:
             table, entry = _DICT_KNOBS[key]
             old[key] = getattr(L, table)[entry]
             getattr(L, table)[entry] = val
@@ -223,7 +224,8 @@ def _set(L, **kw):
 
 
 def _p2p_defaults(L):
-    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV["state_aug"], sw=L.NUM_WARPS["state_aug"], obv=L.P2P_OUTPUT_BV,
+    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV["state_aug"], sw=L.NUM_WARPS["state_aug"],
+                sst=L.NUM_STAGES["state_aug"], obv=L.P2P_OUTPUT_BV,
                 ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
                 plain_ow=L.NUM_WARPS["output"])
 
@@ -249,7 +251,8 @@ def _timed(L, cfg, fn, warmup, repeat):
         _set(L, **old)
 
 
-_SUMMARY_KEYS, _OUTPUT_KEYS = ("sbv", "sw"), ("obv", "ow", "ost")
+_SUMMARY_KEYS, _OUTPUT_KEYS = ("sbv", "sw", "sst"), ("obv", "ow", "ost")
+_BWD_SUMMARY_KEYS = ("bbv", "bw", "bst")
 
 
 def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
@@ -257,7 +260,8 @@ def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
     + ``p2p_fwd_output``) from the same incoming state. Summaries are timed per hs x _SUMMARY_KEYS,
     outputs per hs x _OUTPUT_KEYS; each output row is paired with the fastest summary of its hs. A
     variant that fails to build (e.g. out of shared memory) is reported, not fatal; a device fault
-    (illegal address) poisons the CUDA context, so every later row fails too. -> markdown lines."""
+    (illegal address) poisons the CUDA context, so every later row fails too. Then the backward
+    summary per _BWD_SUMMARY_KEYS (``_bwd_summary_rows``). -> markdown lines."""
     from cpcompile.kernels.gdn.triton import launch as L
 
     grid = {**P2P_GRID, **(grid or {})}
@@ -299,11 +303,37 @@ def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
                 _set(L, **old)
                 tot = t_sum + t
                 rows.append((tot, f"{name} {err or ''}", f"{t_sum:.3f}", f"{t:.3f}", f"{tot / t_plain:.2f}", rel))
+        rows = sorted(rows, key=lambda r: r[0])
+        rows += _bwd_summary_rows(L, T, q, k, v, g, beta, h_in, scale, grid, warmup, repeat)
         lines.append(f"| plain fwd (launch.gdn_fwd, defaults) | {T} | - | - | {t_plain:.3f} | 1.00 | - |")
-        for tot, name, ts, to, ratio, rel in sorted(rows, key=lambda r: r[0]):
+        for tot, name, ts, to, ratio, rel in rows:
             lines.append(f"| {name.strip()} | {T} | {ts} | {to} | {tot:.3f} | {ratio} | {rel} |")
         print("\n".join(lines[-len(rows) - 1:]), flush=True)
     return lines
+
+
+def _bwd_summary_rows(L, T, q, k, v, g, beta, h_in, scale, grid, warmup, repeat):
+    """The backward summary (``p2p_bwd_summary``) per variant of its augmented reverse pass, as rows
+    of the variants table: its time is what State-P2P's backward adds to a plain one."""
+    _, _, gc, w, u, tinv = L.gdn_fwd(q, k, v, g, beta, h_in, scale)
+    do = torch.randn_like(v)
+    ref = L.p2p_bwd_summary(q, k, w, gc, do, scale)
+    t_bwd = time_cuda(lambda: L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, None, scale), warmup, repeat)
+    rows = [(t_bwd, "plain bwd (launch.gdn_bwd, defaults)", "-", "-", "1.00 (bwd)", "-")]
+    for c in _configs(grid, _BWD_SUMMARY_KEYS):
+        t, err = _timed(L, c, lambda: L.p2p_bwd_summary(q, k, w, gc, do, scale), warmup, repeat)
+        rel = "-"
+        if err is None:
+            old = _set(L, **c)
+            got = L.p2p_bwd_summary(q, k, w, gc, do, scale)
+            _set(L, **old)
+            rel = f"{max(_rel(a, b) for a, b in zip(got[:2], ref)):.1e}"
+        name = "bwd summary " + " ".join(f"{a}={x}" for a, x in c.items())
+        print(f"  T={T} {name}: {err or f'{t:.3f} ms'} (plain bwd {t_bwd:.3f} ms)", flush=True)
+        # the finish is a plain backward that reuses the summary's dvl: an upper estimate
+        rows.append((t, f"{name} {err or ''}", f"{t:.3f}", "-", f"<= {(t + t_bwd) / t_bwd:.2f} (bwd)", rel))
+    rows[1:] = sorted(rows[1:], key=lambda r: r[0])
+    return rows
 
 
 class MiddleRank:
@@ -644,7 +674,7 @@ def main():
         lines.append(f"| {T} | {ratio('fla-core', 'fwd')} | {ratio('fla-core', 'fb')} | {ratio('hf-torch', 'fwd')} "
                      f"| {ratio('hf-torch', 'fb')} |")
     lines += ["", "State-P2P local cost (cpcompile kernels; incoming state given):", "",
-              "| T | plain fwd ms | summary ms | output-with-state ms | summary+output+chain ms | ratio | plain bwd ms | p2p bwd (summary+chain+finish) ms | ratio | rel err o / grads vs plain |",
+              "| T | plain fwd ms | summary ms | output-with-state ms | summary+output+chain ms | ratio | plain bwd ms | p2p bwd (summary+chain+finish) ms | ratio | rel err o, H_out / grads, dH_in vs plain |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for r in p2p_rows:
         lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['summary']:.3f} | {r['output']:.3f} | {r['p2p']:.3f} "
@@ -685,8 +715,8 @@ def main_p2p_variants(args):
     grid = {key: getattr(args, key) for key in P2P_GRID if getattr(args, key) is not None}
     if args.smoke:  # the interpreter must be chosen before the kernels are first imported
         os.environ["TRITON_INTERPRET"] = "1"
-        grid = {"hs": [1, 2], "sbv": [32], "sw": [4], "obv": [16, 32], "ow": [4], "ost": [1], "plain_obv": [32],
-                "plain_ow": [4], **grid}
+        grid = {"hs": [1, 2], "sbv": [32], "sw": [4], "sst": [1], "bbv": [32], "bst": [1], "obv": [16, 32], "ow": [4],
+                "ost": [1], "plain_obv": [32], "plain_ow": [4], **grid}
         bench_p2p_variants([128], 0, 1, grid, dims=(1, 1, 2, 32, 32), device="cpu")  # prints its table
         return
     import triton
@@ -694,11 +724,14 @@ def main_p2p_variants(args):
     Ts = args.T or [16384, 32768, 65536]
     env = f"torch {torch.__version__}, triton {triton.__version__}, device {dev}"
     print(env, flush=True)
-    lines = [f"# GDN State-P2P forward variants — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
+    lines = [f"# GDN State-P2P variants — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
              f"Shapes: B={B}, key heads {HK}, value heads {HV}, K=V={DK}, bf16; median of {args.repeat} after "
-             f"{args.warmup} warm-ups. hs: chunks per stored summary state; sbv/sw: summary state-pass column "
-             "block / warps; obv/ow/ost: output value block / warps / stages. "
-             "Each output row takes its hs's fastest summary.", ""]
+             f"{args.warmup} warm-ups. hs: chunks per stored summary state; sbv/sw/sst: summary state-pass column "
+             "block / warps / stages; obv/ow/ost: output value block / warps / stages. "
+             "Each output row takes its hs's fastest summary. bbv/bw/bst: the backward summary's reverse "
+             "pass column block / warps / stages; its ratio adds the summary to a plain backward, whose "
+             "dv_local the finish then skips (an upper estimate); its error column compares dH_local and M^T "
+             "with the default setting's.", ""]
     try:
         lines += bench_p2p_variants(Ts, args.warmup, args.repeat, grid)
     except KeyboardInterrupt:
