@@ -161,14 +161,14 @@ def bench_p2p(T, warmup, repeat, rows):
     scale = DK ** -0.5
 
     def plain():
-        return L.gdn_fwd(q, k, v, g, beta, h_in, scale)[0]
+        return L.gdn_fwd(q, k, v, g, beta, h_in, scale)[:2]
 
     def p2p():
         M, S, saved = L.p2p_fwd_summary(k, v, g, beta)
         h_out = chain_step(M, S, h_in)
         return L.p2p_fwd_output(q, k, saved, h_in, scale), h_out
 
-    o_ref, h_ref = L.gdn_fwd(q, k, v, g, beta, h_in, scale)[:2]
+    o_ref, h_ref = plain()
     o_p2p, h_p2p = p2p()
     err = max(_rel(o_p2p, o_ref), _rel(h_p2p, h_ref))
     t_plain = time_cuda(plain, warmup, repeat)
@@ -594,7 +594,8 @@ def main():
     ap.add_argument("--profile-T", type=int, nargs="*", default=[16384, 65536],
                     help="torch-profiler kernel table of one fwd+bwd per method at these T (none: skip)")
     ap.add_argument("--p2p-variants", action="store_true",
-                    help="only time the plain forward against every State-P2P forward variant (no fla-core)")
+                    help="only time the State-P2P variants: every forward against the plain forward, every "
+                         "backward summary against the plain backward (no fla-core)")
     for key, vals in P2P_GRID.items():
         ap.add_argument(f"--{key.replace('_', '-')}", type=int, nargs="+", default=None,
                         help=f"--p2p-variants grid: {key} values (default {vals})")

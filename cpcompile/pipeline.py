@@ -270,13 +270,14 @@ class InstalledRegion:
         setattr(module, MARKER, {"fqn": self.target.fqn, "method": self.target.override.method.describe()})
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        handed = kwargs.get(DOCUMENTS_KWARG, self)  # `self`: not handed (None is: one document)
-        kwargs = {k: v for k, v in kwargs.items() if k != DOCUMENTS_KWARG}
+        kwargs = dict(kwargs)
+        handed = DOCUMENTS_KWARG in kwargs  # a handed None means one document per row
+        positions = kwargs.pop(DOCUMENTS_KWARG, None)
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
             # whether the last call's documents came down from its layer (else: the feed's, the latest call's)
-            self.documents_handed = handed is not self
-            kwargs = {**kwargs, "document_positions": handed if self.documents_handed else self.documents.positions}
+            self.documents_handed = handed
+            kwargs = {**kwargs, "document_positions": positions if handed else self.documents.positions}
         if self.reads_global_positions and kwargs.get(QUERY_POSITIONS) is None \
                 and self.documents.global_positions is not None and torch._C._current_graph_task_id() == -1:
             raise CPInputError(

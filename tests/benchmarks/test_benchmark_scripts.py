@@ -1,8 +1,9 @@
 """`benchmarks/cp_methods.py` still runs on 2 gloo ranks at a tiny size, every method (Hybrid skipped
 below 4 ranks) passing its equivalence checks; the GDN kernel tuner and accuracy scripts still run
-(Triton's CPU interpreter, tiny shapes, no timing or accuracy claim). (`overlap_report.py` is not run here: its processes
-sometimes abort at exit after the profiler, "terminate called without an active exception" — seen
-once in about a dozen runs, a teardown crash outside our code that a CI check must not depend on.)"""
+(Triton's CPU interpreter, tiny shapes, no timing or accuracy claim). (`overlap_report.py` is not run
+here: its processes sometimes abort at exit after the profiler, "terminate called without an active
+exception" — seen once in about a dozen runs, a teardown crash outside our code that a CI check must
+not depend on.)"""
 from __future__ import annotations
 
 import os
