@@ -22,10 +22,11 @@ from . import kernels as _k
 # num_warps / num_stages per kernel; benchmarks may override. "*_aug" are the augmented (K + V wide)
 # state passes of State-P2P. Tuned on an H200 at T=16K (`benchmarks/gdn_kernels.py --tune`,
 # results/gdn_kernels_2026-12-01_NVIDIA-H200.md): the plain state pass 4 warps (0.565 ms, 8: 0.584),
-# the prepare backward 4 (8 spilled: 1.395 vs 1.198). The augmented backward pass, since it keeps
+# the prepare backward 4 (8 spilled: 1.395 vs 1.198), the plain output 4 (0.234 ms, 2: 0.307, 8: 0.431;
+# results/gdn_kernels_2026-12-01_NVIDIA-H200_output-warps.md). The augmented backward pass, since it keeps
 # nothing per chunk, 4 (State-P2P's backward summary 0.758 / 2.911 ms at 16K / 64K, 8: 0.837 / 3.250;
 # `--p2p-variants`, results/gdn_p2p_segments_2026-12-01_NVIDIA-H200.md).
-NUM_WARPS = {"prepare": 4, "state": 4, "state_aug": 8, "output": 2, "p2p_output": 4, "dv_local": 2, "bwd_state": 4,
+NUM_WARPS = {"prepare": 4, "state": 4, "state_aug": 8, "output": 4, "p2p_output": 4, "dv_local": 2, "bwd_state": 4,
              "bwd_state_aug": 4, "inter": 8, "bwd_wy": 4}
 NUM_STAGES = {"state": 3, "state_aug": 3, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3, "p2p_output": 1}
 
