@@ -19,8 +19,10 @@ writes what it measured.
 On a fresh machine fla-core's first call compiles and autotunes for minutes: give a full run 5+ minutes.
 
 fla-core's gated backward refuses to run on Hopper with Triton < 3.7.1 (fla issue #640, a Triton
-miscompile). For *timing only* this script lifts that guard (``--lift-fla-guard``, default on);
-fla's gradients are then not trusted, and are not used for any correctness claim.
+miscompile). For *timing only* this script lifts that guard by default; fla's gradients are then not
+trusted, and are not used for any correctness claim. ``--no-lift-fla-guard`` leaves it alone: on
+Triton >= 3.7.1 fla-core runs that backward by itself
+(results/gdn_kernels_2026-12-01_NVIDIA-H200_triton-3.7.1.md).
 """
 
 from __future__ import annotations
