@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overlap_timeline import PHASES, classify, phase_sequences  # noqa: E402
+from overlap_timeline import PHASES, classify, percent, phase_sequences, sequence_lines  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -127,11 +127,9 @@ def report(rows: list[dict], args, device_name: str) -> str:
         "| phase | compute ms | issued while a receive was outstanding, ms | % |", "|---|---:|---:|---:|",
     ]
     for r in rows:
-        pct = 100 * r["while_receiving_ms"] / r["compute_ms"] if r["compute_ms"] else 0.0
-        lines.append(f"| {r['phase']} | {r['compute_ms']:.2f} | {r['while_receiving_ms']:.2f} | {pct:.0f} |")
-    lines.append("")
-    for r in rows:
-        lines += [f"**{r['phase']}:** {r['sequence']}", ""]
+        lines.append(f"| {r['phase']} | {r['compute_ms']:.2f} | {r['while_receiving_ms']:.2f} | "
+                     f"{percent(r['while_receiving_ms'], r['compute_ms']):.0f} |")
+    lines += sequence_lines(rows, lambda r: r["phase"])
     return "\n".join(lines)
 
 

@@ -135,6 +135,18 @@ def summarize(items: list[tuple]) -> dict:
     return {"sequence": " ".join(parts), **out}
 
 
+def percent(part: float, whole: float) -> float:
+    return 100 * part / whole if whole else 0.0
+
+
+def sequence_lines(rows: list[dict], label) -> list[str]:
+    """Each row's event sequence under a bold ``label(row)``: the reports' last section."""
+    lines = [""]
+    for r in rows:
+        lines += [f"**{label(r)}:** {r['sequence']}", ""]
+    return lines
+
+
 def report(rows: list[dict], args) -> str:
     shape = (f"B=1 S={args.seq} (S/cp={args.seq // args.world}) hidden={args.hidden} heads={args.heads}/{args.kv_heads} "
              f"layers={args.layers}, bf16")
@@ -152,12 +164,9 @@ def report(rows: list[dict], args) -> str:
         "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        pct = 100 * r["in_flight_ms"] / r["compute_ms"] if r["compute_ms"] else 0.0
         lines.append(f"| {r['method']} | {r['phase']} | {r['launches']} | {r['waits']} | {r['waits_without_compute']} | "
-                     f"{r['compute_ms']:.2f} | {r['in_flight_ms']:.2f} | {pct:.0f} |")
-    lines.append("")
-    for r in rows:
-        lines += [f"**{r['method']}, {r['phase']}:** {r['sequence']}", ""]
+                     f"{r['compute_ms']:.2f} | {r['in_flight_ms']:.2f} | {percent(r['in_flight_ms'], r['compute_ms']):.0f} |")
+    lines += sequence_lines(rows, lambda r: f"{r['method']}, {r['phase']}")
     return "\n".join(lines)
 
 
