@@ -26,7 +26,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from overlap_timeline import PHASES, classify, percent, phase_sequences, sequence_lines  # noqa: E402
+from overlap_timeline import (PHASES, classify, kernel_run, percent, phase_sequences,  # noqa: E402
+                              sequence_lines)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -61,7 +62,7 @@ def summarize_p2p(items: list[tuple]) -> dict:
             out["while_receiving_ms"] += item[2] / 1e3 if receiving else 0.0
             continue
         if kernels:
-            parts.append(f"[{kernels} kernels, {kernel_us / 1e3:.2f} ms]")
+            parts.append(kernel_run(kernels, kernel_us))
             kernels, kernel_us = 0, 0.0
         if item[0] == "R":
             receiving = True
@@ -69,7 +70,7 @@ def summarize_p2p(items: list[tuple]) -> dict:
             receiving = False  # the first wait after a posted receive is that receive's
         parts.append(f"P {item[1]}" if item[0] == "P" else item[0])
     if kernels:
-        parts.append(f"[{kernels} kernels, {kernel_us / 1e3:.2f} ms]")
+        parts.append(kernel_run(kernels, kernel_us))
     return {"sequence": " ".join(parts), **out}
 
 

@@ -105,6 +105,11 @@ def classify(event: dict, gpu_us: dict) -> tuple | None:
     return None
 
 
+def kernel_run(kernels: int, kernel_us: float) -> str:
+    """A run of compute kernels between two communication events, as the sequences print it."""
+    return f"[{kernels} kernels, {kernel_us / 1e3:.2f} ms]"
+
+
 def summarize(items: list[tuple]) -> dict:
     """The sequence as text; counts; the compute GPU time issued with a collective in flight."""
     parts: list[str] = []
@@ -119,7 +124,7 @@ def summarize(items: list[tuple]) -> dict:
             out["in_flight_ms"] += item[2] / 1e3 if in_flight else 0.0
             continue
         if kernels:
-            parts.append(f"[{kernels} kernels, {kernel_us / 1e3:.2f} ms]")
+            parts.append(kernel_run(kernels, kernel_us))
         if item[0] == "L":
             parts.append(f"L {item[1]}")
             out["launches"] += 1
@@ -131,7 +136,7 @@ def summarize(items: list[tuple]) -> dict:
             in_flight = max(in_flight - 1, 0)
         previous, kernels, kernel_us = item[0], 0, 0.0
     if kernels:
-        parts.append(f"[{kernels} kernels, {kernel_us / 1e3:.2f} ms]")
+        parts.append(kernel_run(kernels, kernel_us))
     return {"sequence": " ".join(parts), **out}
 
 
