@@ -39,7 +39,7 @@ def gdn_p2p_fwd_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     ``hbuf`` [B, cdiv(NT, launch.P2P_HSTRIDE), Hv, K, K+V]: entering states ``[P | h0]`` of every
     ``P2P_HSTRIDE``-th chunk."""
     check_device(k.device.type, k.device.index)
-    M, S, saved = launch.p2p_fwd_summary(_c(k), _c(v), _c(g), _c(beta))
+    M, S, saved = launch.p2p_fwd_summary(_c(k), _c(v), _c(g), _c(beta), store_tinv=True)  # for the finish
     return (M.contiguous(), S.contiguous(), *saved)
 
 

@@ -190,6 +190,19 @@ def test_p2p_output_rejects_other_hstride(monkeypatch):
 
 
 @cpu_only
+def test_prepare_without_tinv_gives_the_same_w_u():
+    """A forward whose backward recomputes prepare skips tinv's store and nothing else."""
+    from cpcompile.kernels.gdn.triton import launch
+
+    _, k, v, g, beta, _ = _inputs(1, 100, 1, 2, 16, 16, torch.float32, seed=7, h0=False)
+    full = launch.fwd_prepare(k, v, g, beta)
+    lean = launch.fwd_prepare(k, v, g, beta, store_tinv=False)
+    assert lean[3] is None and full[3] is not None
+    for a, b in zip(lean[:3], full[:3]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@cpu_only
 def test_l2norm_inside_the_op_matches_torch():
     """q/k normalised inside cpcompile::gdn_chunk_fwd (forward kernel, backward finished in the last
     backward kernel) equals the formula in float64, forward and backward, with grouped heads."""

@@ -2,7 +2,8 @@
 what its real implementation runs (State-P2P has its own executor, ``p2p_executor``). Every path is
 Triton kernels (plus dtype casts and sums of gradients); there is no eager fallback.
 
-- chunk forward: ``gdn_fwd`` (prepare, state pass, output) from the given initial state;
+- chunk forward: ``gdn_fwd`` (prepare, state pass, output) from the given initial state; prepare
+  stores no ``tinv``, which only the backward reads and recomputes;
 - chunk backward: ``fwd_prepare`` again (the op's autograd saves only its inputs), then ``gdn_bwd``
   (recomputed states, every input gradient and the initial state's);
 
@@ -32,7 +33,7 @@ def chunk_forward(q, k, v, g, beta, initial_state, scale: float, chunk_size: int
     qd, kd = cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
     if starts is not None:
         g = reset_decay_at_starts(g, starts)
-    o, *_ = launch.gdn_fwd(_c(qd), _c(kd), _c(v), _c(g), _c(beta), initial_state, scale)
+    o, *_ = launch.gdn_fwd(_c(qd), _c(kd), _c(v), _c(g), _c(beta), initial_state, scale, store_tinv=False)
     return o.to(q.dtype).contiguous()
 
 

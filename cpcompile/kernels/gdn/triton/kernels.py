@@ -122,9 +122,10 @@ def gdn_fwd_prepare_kernel(
     k, v, g, beta, gc_out, w_out, u_out, tinv_out,
     T,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    BT: tl.constexpr, LOG2_BT: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
+    BT: tl.constexpr, LOG2_BT: tl.constexpr, STORE_TINV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Per (chunk, value head): gate cumsum, Tinv = (I+A)^-1, w and u. Fully parallel."""
+    """Per (chunk, value head): gate cumsum, Tinv = (I+A)^-1 (stored if ``STORE_TINV``), w and u.
+    Fully parallel."""
     i_t, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
@@ -153,7 +154,8 @@ def gdn_fwd_prepare_kernel(
     for _ in tl.static_range(LOG2_BT - 1):
         b_P = _mm(b_P, b_P, PREC, UPCAST)
         b_T = b_T + _mm(b_T, b_P, PREC, UPCAST)
-    _tok_store(tinv_out, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT, b_T)
+    if STORE_TINV:
+        _tok_store(tinv_out, i_b, i_h, T, Hv, BT, i_t, 0, BT, BT, b_T)
 
     dt = b_k.dtype
     b_kb = (b_k.to(tl.float32) * (b_beta * tl.exp(b_gc))[:, None]).to(dt)

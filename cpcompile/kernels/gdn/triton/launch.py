@@ -92,16 +92,20 @@ def _state_bv(key: str, K: int, V: int) -> int:
 # ----------------------------------------------------------------------------- forward pieces
 
 
-def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor):
-    """-> (gc fp32 [B,T,Hv], w [B,T,Hv,K], u [B,T,Hv,V] in k's dtype, tinv fp32 [B,T,Hv,64])."""
+def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, store_tinv: bool = True):
+    """-> (gc fp32 [B,T,Hv], w [B,T,Hv,K], u [B,T,Hv,V] in k's dtype, tinv fp32 [B,T,Hv,64]).
+
+    Only the backward reads ``tinv``: a forward whose caller recomputes prepare for its backward
+    passes ``store_tinv=False`` (tinv is then None), which spares an fp32 ``[B,T,Hv,64]`` write."""
     B, T, Hk, Hv, K, V, NT = _dims(k, v)
     gc = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     w = torch.empty(B, T, Hv, K, device=k.device, dtype=k.dtype)
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=k.dtype)
-    tinv = torch.empty(B, T, Hv, CHUNK_SIZE, device=k.device, dtype=torch.float32)
+    tinv = torch.empty(B, T, Hv, CHUNK_SIZE, device=k.device, dtype=torch.float32) if store_tinv else None
+    # without tinv the kernel gets gc as its tinv pointer, which STORE_TINV=False never writes
     _k.gdn_fwd_prepare_kernel[(NT, B * Hv)](
-        k, v, g, beta, gc, w, u, tinv, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, LOG2_BT=int(math.log2(CHUNK_SIZE)),
-        num_warps=NUM_WARPS["prepare"], **_flags(k.dtype))
+        k, v, g, beta, gc, w, u, tinv if store_tinv else gc, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE,
+        LOG2_BT=int(math.log2(CHUNK_SIZE)), STORE_TINV=store_tinv, num_warps=NUM_WARPS["prepare"], **_flags(k.dtype))
     return gc, w, u, tinv
 
 
@@ -156,10 +160,11 @@ def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Ten
     return o
 
 
-def gdn_fwd(q, k, v, g, beta, h0, scale):
-    """Plain local forward -> (o, final state fp32, gc, w, u, tinv); the last four are saved for backward."""
+def gdn_fwd(q, k, v, g, beta, h0, scale, store_tinv: bool = True):
+    """Plain local forward -> (o, final state fp32, gc, w, u, tinv); the last four are saved for backward
+    (``store_tinv=False``: by a caller that recomputes them, tinv None)."""
     h0 = h0.float().contiguous() if h0 is not None else None
-    gc, w, u, tinv = fwd_prepare(k, v, g, beta)
+    gc, w, u, tinv = fwd_prepare(k, v, g, beta, store_tinv)
     hbuf, vnbuf, ht = fwd_state(k, w, u, gc, h0)
     o = fwd_output(q, k, gc, hbuf, vnbuf, scale)
     return o, ht, gc, w, u, tinv
@@ -269,16 +274,17 @@ def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=
 # ----------------------------------------------------------------------------- State-P2P pieces
 
 
-def p2p_fwd_summary(k, v, g, beta):
+def p2p_fwd_summary(k, v, g, beta, store_tinv: bool = False):
     """Everything of a rank's forward that does not need the incoming state, plus its summary.
 
     -> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], saved = (gc, w, u, tinv, hbuf)) where
     ``H_out = M @ H_in + S``. One augmented state pass (width K + V) replaces the plain one; it
     stores only the entering states ``[P | h0]`` of every ``P2P_HSTRIDE``-th chunk: the output
-    rebuilds the updates from ``w`` and ``u``, which the backward keeps anyway.
+    rebuilds the updates from ``w`` and ``u``. tinv is None unless ``store_tinv``: the executor's
+    backward runs prepare again.
     """
     K = k.shape[-1]
-    gc, w, u, tinv = fwd_prepare(k, v, g, beta)
+    gc, w, u, tinv = fwd_prepare(k, v, g, beta, store_tinv)
     hbuf, _, ht = fwd_state(k, w, u, gc, None, nx=K, hstride=P2P_HSTRIDE, store_vn=False)
     M, S = ht[..., :K], ht[..., K:]
     return M, S, (gc, w, u, tinv, hbuf)

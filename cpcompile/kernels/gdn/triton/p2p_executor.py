@@ -89,7 +89,7 @@ def p2p_forward(q, k, v, g, beta, scale: float, chunk_size: int, ring: Ring) -> 
     qd, kd, v, g, beta = (x.contiguous() for x in (qd, kd, v, g, beta))
     incoming = ring.post_recv(_state_like(kd, v), -1)
     if incoming is None:  # rank 0: plain forward; its final state leaves after the state pass
-        gc, w, u, _ = launch.fwd_prepare(kd, v, g, beta)
+        gc, w, u, _ = launch.fwd_prepare(kd, v, g, beta, store_tinv=False)
         hbuf, vnbuf, h_out = launch.fwd_state(kd, w, u, gc, None)
         sent = ring.send(h_out, +1)
         o = launch.fwd_output(qd, kd, gc, hbuf, vnbuf, scale)
