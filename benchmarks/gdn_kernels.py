@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import math
 import os
 import statistics
 import sys
@@ -153,7 +154,7 @@ def bench_method(name, backend, run, T, warmup, repeat, rows, *, bwd=True):
           flush=True)
 
 
-def bench_p2p(T, warmup, repeat, rows):
+def bench_p2p(T, warmup, repeat, rows, with_fla=False):
     from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step
     from cpcompile.kernels.gdn.triton import launch as L
 
@@ -172,6 +173,7 @@ def bench_p2p(T, warmup, repeat, rows):
 
     o_ref, h_ref = plain()
     o_p2p, h_p2p = p2p()
+    M, S = L.p2p_fwd_summary(k, v, g, beta)[:2]
     err = max(_rel(o_p2p, o_ref), _rel(h_p2p, h_ref))
     t_plain = time_cuda(plain, warmup, repeat)
     t_p2p = time_cuda(p2p, warmup, repeat)
@@ -192,11 +194,44 @@ def bench_p2p(T, warmup, repeat, rows):
     ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
     got_g, got_dh = p2p_bwd()
     gerr = max(_rel(a, b) for a, b in zip([*got_g, got_dh], ref_g))
+    dl, mt, dvl = L.p2p_bwd_summary(q, k, w, gc, do, scale)
+    fla_cp = (fla_cp_summaries(q, k, w, u, gc, do, dvl, scale, (M, S, dl, mt), warmup, repeat)
+              if with_fla else None)
     rows.append(dict(T=T, plain=t_plain, p2p=t_p2p, summary=t_sum, output=t_out, err=err,
-                     bplain=t_bplain, bp2p=t_bp2p, gerr=gerr))
+                     bplain=t_bplain, bp2p=t_bp2p, gerr=gerr, fla_cp=fla_cp))
     print(f"  P2P T={T}: plain fwd {t_plain:.3f} ms, summary {t_sum:.3f} + output {t_out:.3f} "
           f"(together {t_p2p:.3f} ms, {t_p2p / t_plain:.2f}x); bwd plain {t_bplain:.3f} vs p2p {t_bp2p:.3f} ms "
           f"({t_bp2p / t_bplain:.2f}x); |o_p2p-o|/|o| {err:.1e}, grads {gerr:.1e}", flush=True)
+
+
+def fla_cp_summaries(q, k, w, u, gc, do, dvl, scale, ours, warmup=5, repeat=20):
+    """fla-core's context-parallel summaries (its KCP pre-process kernels, ``fla.ops.cp``) on our
+    prepared tensors: the work a middle rank of fla's CP adds to its plain forward (``chunk_cp_fwd_h``:
+    ``[S | M]``) and backward (``chunk_cp_bwd_dh``: ``[dH_local | M^T]``), before the all-gather and merge.
+    -> dict(fwd, bwd ms, err: relative differences of their summaries from ours ``(M, S, dl, mt)``)
+    or None where fla-core has no ``fla.ops.cp``. B = 1 (their summary covers one sequence)."""
+    try:
+        from fla.ops.cp.chunk_bwd import chunk_cp_bwd_dh
+        from fla.ops.cp.chunk_fwd import chunk_cp_fwd_h
+    except ImportError:
+        return None
+    M, S, dl, mt = (x[0] for x in ours)
+    hv, kd, vd = S.shape
+    g2 = gc / math.log(2)  # fla's kernels take the gates in log2
+    hm = torch.zeros(hv, kd, vd + kd, device=q.device, dtype=torch.float32)
+    dhm = torch.zeros_like(hm)
+
+    def fwd():
+        chunk_cp_fwd_h(k=k, w=w, u=u, hm=hm, g=g2)
+
+    def bwd():
+        chunk_cp_bwd_dh(q=q, k=k, w=w, do=do, dv=dvl, dhm=dhm, g=g2, scale=scale)
+    fwd(), bwd()
+    err = ", ".join(f"{name} {_diff(a, b)}" for name, a, b in (("S", hm[..., :vd], S), ("M", hm[..., vd:], M),
+                                                                ("dH_local", dhm[..., :vd], dl), ("M^T", dhm[..., vd:], mt)))
+    out = dict(fwd=time_cuda(fwd, warmup, repeat), bwd=time_cuda(bwd, warmup, repeat), err=err)
+    print(f"  fla-core CP summaries: fwd {out['fwd']:.3f} ms, bwd {out['bwd']:.3f} ms; vs ours: {err}", flush=True)
+    return out
 
 
 # ----------------------------------------------------------------------------- State-P2P variants
@@ -230,6 +265,11 @@ def _p2p_defaults(L):
                 sst=L.NUM_STAGES["state_aug"], obv=L.P2P_OUTPUT_BV,
                 ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
                 plain_ow=L.NUM_WARPS["output"])
+
+
+def _diff(a, b) -> str:
+    """Relative L2 difference, or where ``b`` is zero (a transition decayed below fp32) the largest |a|."""
+    return f"{_rel(a, b):.1e}" if b.float().norm() > 0 else f"max |x| {a.float().abs().max().item():.1e} (ours 0)"
 
 
 def _rel(a, b):
@@ -640,7 +680,7 @@ def main():
                     print(f"  {name} T={T} failed: {exc!r}", flush=True)
             if T <= args.ref_max_T:
                 bench_method("hf-torch", "transformers torch_chunk_gated_delta_rule", ref, T, 1, 3, rows)
-            bench_p2p(T, args.warmup, args.repeat, p2p_rows)
+            bench_p2p(T, args.warmup, args.repeat, p2p_rows, with_fla=len(methods) > 1)
             bench_layer_ops(T, args.warmup, args.repeat, layer_rows)
             torch.cuda.empty_cache()
         for T in args.profile_T:
@@ -683,6 +723,7 @@ def main():
         lines.append(f"| {r['T']} | {r['plain']:.3f} | {r['summary']:.3f} | {r['output']:.3f} | {r['p2p']:.3f} "
                      f"| {r['p2p'] / r['plain']:.2f} | {r['bplain']:.3f} | {r['bp2p']:.3f} | {r['bp2p'] / r['bplain']:.2f} "
                      f"| {r['err']:.1e} / {r['gerr']:.1e} |")
+    lines += fla_cp_lines(p2p_rows, rows)
     lines += ["", "GDN CP wrappers' triton backend as the rewritten graph calls it (q/k fp32 in, v/beta bf16): "
               "plain local core `cpcompile::gdn_chunk` vs a middle rank's State-P2P executor "
               "(`cpcompile::gdn_p2p_chunk`, its sends and receives completing at once):", "",
@@ -701,6 +742,27 @@ def main():
     if tuned:
         lines += ["", *tuned]
     write_report(lines, args.out, "gdn_kernels", dev)
+
+
+def fla_cp_lines(p2p_rows, rows) -> list[str]:
+    """The State-P2P local cost beside fla-core's context parallelism at the same T: its middle rank
+    runs its plain forward / backward plus one summary kernel each (``fla_cp_summaries``)."""
+    lines = ["", "The same local cost for fla-core's context parallelism (`fla.ops.cp`, all-gather of "
+             "summaries): its plain forward / backward (table above) plus its summary kernel, timed on the "
+             "same prepared tensors. Ratios are to each library's own plain pass:", "",
+             "| T | fla-core fwd + CP summary ms | ratio | fla-core bwd + CP summary ms | ratio | "
+             "cpcompile State-P2P fwd / bwd ms | rel diff of fla's summaries from ours |",
+             "|---|---|---|---|---|---|---|"]
+    for r in p2p_rows:
+        fla = next((x for x in rows if x["method"] == "fla-core" and x["T"] == r["T"]), None)
+        cp = r.get("fla_cp")
+        if fla is None or cp is None:
+            continue
+        bwd = fla["fb"] - fla["fwd"]
+        lines.append(f"| {r['T']} | {fla['fwd']:.3f} + {cp['fwd']:.3f} | {(fla['fwd'] + cp['fwd']) / fla['fwd']:.2f} "
+                     f"| {bwd:.3f} + {cp['bwd']:.3f} | {(bwd + cp['bwd']) / bwd:.2f} | {r['p2p']:.3f} / {r['bp2p']:.3f} "
+                     f"| {cp['err']} |")
+    return lines if len(lines) > 5 else []
 
 
 def write_report(lines: list[str], out: str | None, stem: str, device_name: str) -> None:
