@@ -238,7 +238,7 @@ def fla_cp_summaries(q, k, w, u, gc, do, dvl, scale, ours, warmup=5, repeat=20):
 
 # variant keys -> launch tunables: module globals (``_set``) or entries of NUM_WARPS / NUM_STAGES
 _DICT_KNOBS = {"ow": ("NUM_WARPS", "p2p_output"), "ost": ("NUM_STAGES", "p2p_output"),
-               "sbv": ("STATE_BV", "state_aug"), "sw": ("NUM_WARPS", "state_aug"), "sst": ("NUM_STAGES", "state_aug"),
+               "sbv": ("STATE_BV", "p2p_summary"), "sw": ("NUM_WARPS", "p2p_summary"), "sst": ("NUM_STAGES", "p2p_summary"),
                "plain_ow": ("NUM_WARPS", "output"), "bbv": ("STATE_BV", "bwd_state_aug"),
                "bw": ("NUM_WARPS", "bwd_state_aug"), "bst": ("NUM_STAGES", "bwd_state_aug")}
 P2P_GRID = {"hs": [4, 8, 16, 32], "sbv": [32, 64], "sw": [4, 8], "sst": [3], "obv": [64, 128], "ow": [4, 8],
@@ -261,8 +261,8 @@ def _set(L, **kw):
 
 
 def _p2p_defaults(L):
-    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV["state_aug"], sw=L.NUM_WARPS["state_aug"],
-                sst=L.NUM_STAGES["state_aug"], obv=L.P2P_OUTPUT_BV,
+    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV["p2p_summary"], sw=L.NUM_WARPS["p2p_summary"],
+                sst=L.NUM_STAGES["p2p_summary"], obv=L.P2P_OUTPUT_BV,
                 ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
                 plain_ow=L.NUM_WARPS["output"])
 
@@ -560,14 +560,16 @@ def _kernel_calls(T, dims=None, device="cuda"):
     dvl = L.bwd_dv_local(q, k, gc, do, s)
     dhbuf, dvnbuf, _ = L.bwd_state(q, k, w, gc, do, dvl, None, s)
     dqv, dkv, dw, dgc = L.bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, s)
-    aug = L.fwd_state(k, w, u, gc, None, nx=dk, hstride=L.P2P_HSTRIDE, store_vn=False)[0]
+    summary_hbuf, summary_ht, gbuf = L.p2p_summary_pass(k, w, u, gc)
+    L.p2p_chain(gbuf, summary_hbuf, summary_ht)
     h_in = torch.randn(b, hv, dk, dv, device=device) * 0.1
     return {
         "prepare": lambda: L.fwd_prepare(k, v, g, beta),
         "state": lambda: L.fwd_state(k, w, u, gc, None),
-        "state_aug": lambda: L.fwd_state(k, w, u, gc, None, nx=dk, hstride=L.P2P_HSTRIDE, store_vn=False),
+        "p2p_summary": lambda: L.p2p_summary_pass(k, w, u, gc),
+        "p2p_chain": lambda: L.p2p_chain(gbuf, summary_hbuf, summary_ht),  # in place: same work each call
         "output": lambda: L.fwd_output(q, k, gc, hbuf, vnbuf, s),
-        "p2p_output": lambda: L.p2p_output(q, k, w, u, gc, aug, h_in, s),
+        "p2p_output": lambda: L.p2p_output(q, k, w, u, gc, summary_hbuf, h_in, s),
         "dv_local": lambda: L.bwd_dv_local(q, k, gc, do, s),
         "bwd_state": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s),
         "bwd_state_aug": lambda: L.bwd_state(q, k, w, gc, do, dvl, None, s, ny=dk, store=False),
@@ -791,7 +793,7 @@ def main_p2p_variants(args):
     print(env, flush=True)
     lines = [f"# GDN State-P2P variants — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
              f"Shapes: B={B}, key heads {HK}, value heads {HV}, K=V={DK}, bf16; median of {args.repeat} after "
-             f"{args.warmup} warm-ups. hs: chunks per stored summary state; sbv/sw/sst: summary state-pass column "
+             f"{args.warmup} warm-ups. hs: chunks per stored summary state; sbv/sw/sst: the summary pass's value "
              "block / warps / stages; obv/ow/ost: output value block / warps / stages. "
              "Each output row takes its hs's fastest summary. bbv/bw/bst: the backward summary's reverse "
              "pass column block / warps / stages; its ratio adds the summary to a plain backward, whose "

@@ -13,12 +13,19 @@ value, ``E_ij = exp(gc_i - gc_j)``)::
     o   = scale (exp(gc) q h + lower_incl(E q k^T) vn)
     h'  = exp(gl) h + (exp(gl - gc) k)^T vn
 
-"Augmented" state passes (``NX > 0``) carry an identity block beside the state: columns
-``[0, NX)`` start as ``I`` and receive no value input, so at every chunk they hold the product of
-the chunk transitions so far (forward: ``P_c``; backward: the transposed suffix product ``Y_c``).
-The affine summary of the segment then falls out of the same sequential pass that computes the
-zero-state chunk states; no separate K x K scan is needed. Given the incoming state ``H``, chunk
-c's true entering state is ``h0_c + P_c H``, and its updates follow from prepare's ``u``, ``w``.
+State-P2P needs a segment's affine summary ``H_out = M H_in + S`` before ``H_in`` is known.
+``S`` and the zero-state entering states ``h0_c`` come from a state pass from zero. ``M`` is the
+product of the chunk transitions: identity columns that start as ``I`` and receive no value input hold,
+at every chunk, the product ``P_c`` of the transitions so far. Given ``H_in``, chunk c's true entering
+state is ``h0_c + P_c H_in``, and its updates follow from prepare's ``u``, ``w``.
+
+- Forward (``gdn_p2p_summary_kernel``): the value columns run from zero over all chunks, one long
+  program per column block and head. The identity columns run per group of ``HS`` chunks, each from
+  ``I``, in many short programs that fill the SMs the long ones leave idle. A small chain
+  (``gdn_p2p_chain_kernel``) then multiplies the group transitions into ``P`` at every group start
+  and ``M``.
+- Backward ("augmented" reverse pass, ``NX > 0`` in ``gdn_bwd_state_kernel``): the identity block
+  rides beside the state gradient through every chunk and ends as ``M^T``.
 
 Every dot goes through ``_mm`` so that the CPU interpreter (whose bf16 dot is unreliable) can
 upcast operands to fp32; on a GPU, bf16 operands hit the tensor cores with fp32 accumulation.
@@ -171,16 +178,18 @@ def gdn_fwd_prepare_kernel(
 
 
 @triton.jit
-def _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, u_col0,
+def _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, c_begin, c_end, i_b, i_h, i_hk, col0, u_col0,
                     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr, NS: tl.constexpr,
-                    BT: tl.constexpr, BV: tl.constexpr, HS: tl.constexpr, STORE_VN: tl.constexpr,
-                    WITH_U: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """The chunk loop of ``gdn_fwd_state_kernel`` for state columns ``[col0, +BV)``; ``WITH_U``: they
-    are value columns, fed by u's columns ``[u_col0, +BV)``. -> the final state block."""
-    for i_t in range(NT):
-        if i_t % HS == 0:
-            p_hs = _mat_ptr(st_base + (i_t // HS) * (Hv * K * NS), NS, col0, K, BV)
-            tl.store(p_hs, b_h.to(st_base.dtype.element_ty))
+                    BT: tl.constexpr, BV: tl.constexpr, HS: tl.constexpr, STORE_H: tl.constexpr,
+                    STORE_VN: tl.constexpr, WITH_U: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """Steps state columns ``[col0, +BV)`` through chunks ``[c_begin, c_end)`` -> the leaving state.
+    ``WITH_U``: they are value columns, fed by u's columns ``[u_col0, +BV)`` (else identity columns);
+    ``STORE_H``: store the entering state of every ``HS``-th chunk; ``STORE_VN``: the updates."""
+    for i_t in range(c_begin, c_end):
+        if STORE_H:
+            if i_t % HS == 0:
+                p_hs = _mat_ptr(st_base + (i_t // HS) * (Hv * K * NS), NS, col0, K, BV)
+                tl.store(p_hs, b_h.to(st_base.dtype.element_ty))
         b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
         b_vn = -_mm(b_w, b_h.to(b_w.dtype), PREC, UPCAST)
         if WITH_U:
@@ -200,48 +209,84 @@ def gdn_fwd_state_kernel(
     k, w, u, gc, h0, hbuf, vnbuf, ht,
     T, NT,
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-    NX: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, HS: tl.constexpr, STORE_VN: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, STORE_VN: tl.constexpr,
     USE_H0: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Sequential over chunks, parallel over (column block, batch*head).
-
-    Column block ``i_v`` covers state columns ``[i_v*BV, +BV)`` of the ``NS = NX + V`` wide state.
-    Stores the entering state of every ``HS``-th chunk (``hbuf[c // HS]``), with ``STORE_VN`` the
-    updates ``vn`` (``vnbuf``), and the final state (``ht``, fp32).
-    """
-    NS: tl.constexpr = NX + V
-    NG = (NT + HS - 1) // HS
+    """Sequential over chunks, parallel over (value block, batch*head): the entering state of every
+    chunk (``hbuf``), with ``STORE_VN`` its updates ``vn`` (``vnbuf``), and the final state (``ht``, fp32)."""
     i_v, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     col0 = i_v * BV
-    o_k = tl.arange(0, K)
-    o_c = col0 + tl.arange(0, BV)
+    b_h = tl.full([K, BV], 0.0, tl.float32)
+    if USE_H0:
+        b_h = tl.load(_mat_ptr(h0 + i_bh.to(tl.int64) * K * V, V, col0, K, BV)).to(tl.float32)
+    st_base = hbuf + i_b.to(tl.int64) * NT * Hv * K * V + i_h * K * V
+    b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, 0, NT, i_b, i_h, i_hk, col0, col0,
+                          Hk, Hv, K, V, V, BT, BV, 1, True, STORE_VN, True, PREC, UPCAST)
+    tl.store(_mat_ptr(ht + i_bh.to(tl.int64) * K * V, V, col0, K, BV), b_h)
 
-    if NX > 0:
-        b_h = tl.where(o_k[:, None] == o_c[None, :], 1.0, 0.0)
+
+# ----------------------------------------------------------------------------- forward: State-P2P summary
+
+
+@triton.jit
+def gdn_p2p_summary_kernel(
+    k, w, u, gc, hbuf, ht, gbuf,
+    T, NT, BH,
+    Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BV: tl.constexpr, BVI: tl.constexpr, HS: tl.constexpr,
+    PREC: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """A segment's zero-state pass and its group transitions, in one launch of two kinds of program.
+
+    Programs ``[0, BH * V/BV)``: value block x batch*head, sequential over all chunks from zero; store
+    ``h0`` of every ``HS``-th chunk into ``hbuf[..., K:]`` and ``S`` into ``ht[..., K:]``. They come
+    first, so they start first, one per SM. The rest: identity block x batch*head x group of ``HS``
+    chunks, each stepping ``I`` through its group only and storing the group's transition into
+    ``gbuf`` [B, NG, Hv, K, K] fp32. They are short, and fill the SMs around the long programs.
+    """
+    NS: tl.constexpr = K + V
+    NVP: tl.constexpr = V // BV
+    NIC: tl.constexpr = K // BVI
+    NG = (NT + HS - 1) // HS
+    pid = tl.program_id(0)
+    if pid < NVP * BH:
+        i_bh, i_v = pid // NVP, pid % NVP
+        i_b, i_h = i_bh // Hv, i_bh % Hv
+        col0 = K + i_v * BV
+        st_base = hbuf + i_b.to(tl.int64) * NG * Hv * K * NS + i_h * K * NS
+        b_h = _fwd_state_loop(k, w, u, gc, hbuf, st_base, tl.full([K, BV], 0.0, tl.float32), T, 0, NT,
+                              i_b, i_h, i_h // (Hv // Hk), col0, i_v * BV,
+                              Hk, Hv, K, V, NS, BT, BV, HS, True, False, True, PREC, UPCAST)
+        tl.store(_mat_ptr(ht + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV), b_h)
     else:
-        b_h = tl.full([K, BV], 0.0, tl.float32)
-        if USE_H0:
-            p_h0 = _mat_ptr(h0 + i_bh.to(tl.int64) * K * V, V, col0, K, BV)
-            b_h = tl.load(p_h0).to(tl.float32)
+        q = pid - NVP * BH
+        i_c, i_bh, i_g = q % NIC, (q // NIC) % BH, q // (NIC * BH)
+        i_b, i_h = i_bh // Hv, i_bh % Hv
+        c0 = i_c * BVI
+        b_p = tl.where(tl.arange(0, K)[:, None] == (c0 + tl.arange(0, BVI))[None, :], 1.0, 0.0)
+        b_p = _fwd_state_loop(k, w, u, gc, hbuf, hbuf, b_p, T, i_g * HS, tl.minimum(i_g * HS + HS, NT),
+                              i_b, i_h, i_h // (Hv // Hk), c0, 0,
+                              Hk, Hv, K, V, NS, BT, BVI, HS, False, False, False, PREC, UPCAST)
+        tl.store(_mat_ptr(gbuf + ((i_b.to(tl.int64) * NG + i_g) * Hv + i_h) * K * K, K, c0, K, BVI), b_p)
 
-    st_base = hbuf + i_b.to(tl.int64) * NG * Hv * K * NS + i_h * K * NS
-    # the value columns read u, the identity columns of an augmented pass do not: the branch sits
-    # outside the loop, since a run-time branch around a load inside it keeps that load out of
-    # Triton's software pipeline
-    if NX == 0:
-        b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, col0,
-                              Hk, Hv, K, V, NS, BT, BV, HS, STORE_VN, True, PREC, UPCAST)
-    elif col0 >= NX:
-        b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, col0 - NX,
-                              Hk, Hv, K, V, NS, BT, BV, HS, STORE_VN, True, PREC, UPCAST)
-    else:
-        b_h = _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, NT, i_b, i_h, i_hk, col0, 0,
-                              Hk, Hv, K, V, NS, BT, BV, HS, STORE_VN, False, PREC, UPCAST)
 
-    p_ht = _mat_ptr(ht + i_bh.to(tl.int64) * K * NS, NS, col0, K, BV)
-    tl.store(p_ht, b_h)
+@triton.jit
+def gdn_p2p_chain_kernel(gbuf, hbuf, ht, NG, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                         BVC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``P_0 = I``, ``P_{g+1} = G_g P_g`` over the groups, fp32 (tf32 dots): stores ``P_g`` into
+    ``hbuf[:, g, ..., :K]`` and ``M = P_NG`` into ``ht[..., :K]``. Per (column block, batch*head)."""
+    NS: tl.constexpr = K + V
+    i_c, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // Hv, i_bh % Hv
+    c0 = i_c * BVC
+    b_p = tl.where(tl.arange(0, K)[:, None] == (c0 + tl.arange(0, BVC))[None, :], 1.0, 0.0)
+    for i_g in range(NG):
+        row = (i_b.to(tl.int64) * NG + i_g) * Hv + i_h
+        tl.store(_mat_ptr(hbuf + row * K * NS, NS, c0, K, BVC), b_p.to(hbuf.dtype.element_ty))
+        b_p = _mm(tl.load(_mat_ptr(gbuf + row * K * K, K, 0, K, K)), b_p, PREC, UPCAST)
+    tl.store(_mat_ptr(ht + i_bh.to(tl.int64) * K * NS, NS, c0, K, BVC), b_p)
 
 
 # ----------------------------------------------------------------------------- forward: output
@@ -307,7 +352,7 @@ def gdn_p2p_output_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     HS: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Output of a segment from its incoming state ``hin`` [B,Hv,K,V] and the augmented summary's
+    """Output of a segment from its incoming state ``hin`` [B,Hv,K,V] and the summary's
     stored entering states ``hbuf = [P | h0]`` of every ``HS``-th chunk.
 
     Per (value block, group of HS chunks, batch*head): the group's entering state is rebuilt once,

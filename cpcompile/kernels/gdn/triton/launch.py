@@ -19,17 +19,20 @@ from ....errors import CPInputError
 from ..common import CHUNK_SIZE, L2NORM_EPS
 from . import kernels as _k
 
-# num_warps / num_stages per kernel; benchmarks may override. "*_aug" are the augmented (K + V wide)
-# state passes of State-P2P. Tuned on an H200 at T=16K (`benchmarks/gdn_kernels.py --tune`,
-# results/gdn_kernels_2026-12-01_NVIDIA-H200.md): the plain state pass 4 warps (0.565 ms, 8: 0.584),
-# the prepare backward 4 (8 spilled: 1.395 vs 1.198), the plain output 4 (0.234 ms, 2: 0.307, 8: 0.431;
-# results/gdn_kernels_2026-12-01_NVIDIA-H200_output-warps.md). The augmented backward pass, since it keeps
-# nothing per chunk, 4 (State-P2P's backward summary 0.758 / 2.911 ms at 16K / 64K, 8: 0.837 / 3.250;
-# `--p2p-variants`, results/gdn_p2p_segments_2026-12-01_NVIDIA-H200.md).
-NUM_WARPS = {"prepare": 4, "state": 4, "state_aug": 8, "output": 4, "p2p_output": 4, "dv_local": 2, "bwd_state": 4,
-             "bwd_state_aug": 4, "inter": 8, "bwd_wy": 4}
-NUM_STAGES = {"state": 3, "state_aug": 3, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3, "p2p_output": 1}
-
+# num_warps / num_stages per kernel; benchmarks may override. "bwd_state_aug" is State-P2P's augmented
+# (K + V wide) reverse pass, "p2p_summary" / "p2p_chain" its forward summary. Tuned on an H200 at T=16K
+# (`benchmarks/gdn_kernels.py --tune`, results/gdn_kernels_2026-12-01_NVIDIA-H200.md): the plain state pass
+# 4 warps (0.565 ms, 8: 0.584), the prepare backward 4 (8 spilled: 1.395 vs 1.198), the plain output 4
+# (0.234 ms, 2: 0.307, 8: 0.431; results/gdn_kernels_2026-12-01_NVIDIA-H200_output-warps.md). The augmented
+# backward pass, since it keeps nothing per chunk, 4 (State-P2P's backward summary 0.758 / 2.911 ms at
+# 16K / 64K, 8: 0.837 / 3.250; `--p2p-variants`, results/gdn_p2p_segments_2026-12-01_NVIDIA-H200.md). The
+# forward summary 4 warps / 3 stages / value block 64 (0.438 ms at 16K; 8 warps 0.540, value block 32
+# 0.472; results/gdn_p2p_split_summary_2026-12-01_NVIDIA-H200.md); its chain keeps a K x K fp32 tile,
+# so one stage.
+NUM_WARPS = {"prepare": 4, "state": 4, "p2p_summary": 4, "p2p_chain": 8, "output": 4, "p2p_output": 4,
+             "dv_local": 2, "bwd_state": 4, "bwd_state_aug": 4, "inter": 8, "bwd_wy": 4}
+NUM_STAGES = {"state": 3, "p2p_summary": 3, "p2p_chain": 1, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3,
+              "p2p_output": 1}
 
 def _stages(name: str, dtype: torch.dtype) -> int:
     """Software-pipelining depth of a kernel's loop. fp32 tiles overflow Hopper's 227 KiB of shared
@@ -58,8 +61,11 @@ def triton_cdiv(a: int, b: int) -> int:
 
 
 # value-column block of the chunk-sequential state passes (more blocks = more CTAs in flight);
-# the augmented (K+V wide) passes already have twice the blocks. Tuned on an H200 at T=16K.
-STATE_BV = {"state": 32, "state_aug": 64, "bwd_state": 32, "bwd_state_aug": 64}
+# the augmented (K+V wide) backward pass already has twice the blocks, and the forward summary's value
+# programs share the SMs with its identity programs. Tuned on an H200 at T=16K.
+STATE_BV = {"state": 32, "p2p_summary": 64, "bwd_state": 32, "bwd_state_aug": 64}
+# the forward summary's identity-column block (one program per block, group of P2P_HSTRIDE chunks and head)
+P2P_IDENTITY_BV = 64
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
 # State-P2P: chunks per stored summary state (the output steps the state through the others) and
@@ -109,25 +115,51 @@ def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, store_tinv: bool 
     return gc, w, u, tinv
 
 
-def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, nx: int = 0,
-              hstride: int = 1, store_vn: bool = True):
-    """Chunk-sequential state pass. ``nx = K`` runs the augmented (summary) pass from a zero state.
+def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, store_vn: bool = True):
+    """Chunk-sequential state pass from ``h0`` (None: zero).
 
-    -> (hbuf [B,cdiv(NT,hstride),Hv,K,nx+V] entering states of every ``hstride``-th chunk,
-    vnbuf [B,T,Hv,nx+V] updates (None unless ``store_vn``), ht fp32 [B,Hv,K,nx+V]).
+    -> (hbuf [B,NT,Hv,K,V] entering state of every chunk, vnbuf [B,T,Hv,V] updates (None unless
+    ``store_vn``), ht fp32 [B,Hv,K,V]).
     """
     B, T, Hk, Hv, K, V, NT = _dims(k, u)
-    NS = nx + V
-    key = "state_aug" if nx else "state"
-    BV = _state_bv(key, K, V)
-    hbuf = torch.empty(B, triton_cdiv(NT, hstride), Hv, K, NS, device=k.device, dtype=k.dtype)
-    vnbuf = torch.empty(B, T, Hv, NS, device=k.device, dtype=k.dtype) if store_vn else None
-    ht = torch.empty(B, Hv, K, NS, device=k.device, dtype=torch.float32)
-    _k.gdn_fwd_state_kernel[(NS // BV, B * Hv)](
+    BV = _state_bv("state", K, V)
+    hbuf = torch.empty(B, NT, Hv, K, V, device=k.device, dtype=k.dtype)
+    vnbuf = torch.empty(B, T, Hv, V, device=k.device, dtype=k.dtype) if store_vn else None
+    ht = torch.empty(B, Hv, K, V, device=k.device, dtype=torch.float32)
+    _k.gdn_fwd_state_kernel[(V // BV, B * Hv)](
         k, w, u, gc, h0 if h0 is not None else ht, hbuf, vnbuf if store_vn else hbuf, ht, T, NT,
-        Hk=Hk, Hv=Hv, K=K, V=V, NX=nx, BT=CHUNK_SIZE, BV=BV, HS=hstride, STORE_VN=store_vn, USE_H0=h0 is not None,
-        num_warps=NUM_WARPS[key], num_stages=_stages(key, k.dtype), **_flags(k.dtype))
+        Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, STORE_VN=store_vn, USE_H0=h0 is not None,
+        num_warps=NUM_WARPS["state"], num_stages=_stages("state", k.dtype), **_flags(k.dtype))
     return hbuf, vnbuf, ht
+
+
+def p2p_summary_pass(k: Tensor, w: Tensor, u: Tensor, gc: Tensor):
+    """The zero-state pass and the group transitions of a State-P2P summary (``gdn_p2p_summary_kernel``)
+    -> (hbuf [B,NG,Hv,K,K+V] with ``h0`` of every ``P2P_HSTRIDE``-th chunk in ``[..., K:]``, ht fp32
+    [B,Hv,K,K+V] with ``S`` in ``[..., K:]``, gbuf fp32 [B,NG,Hv,K,K] the group transitions);
+    ``p2p_chain`` fills the identity parts."""
+    B, T, Hk, Hv, K, V, NT = _dims(k, u)
+    HS = P2P_HSTRIDE
+    NG = triton_cdiv(NT, HS)
+    BV, BVI = _state_bv("p2p_summary", K, V), min(P2P_IDENTITY_BV, K)
+    hbuf = torch.empty(B, NG, Hv, K, K + V, device=k.device, dtype=k.dtype)
+    ht = torch.empty(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
+    gbuf = torch.empty(B, NG, Hv, K, K, device=k.device, dtype=torch.float32)
+    programs = B * Hv * (V // BV + NG * (K // BVI))
+    _k.gdn_p2p_summary_kernel[(programs,)](
+        k, w, u, gc, hbuf, ht, gbuf, T, NT, B * Hv, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, BVI=BVI, HS=HS,
+        num_warps=NUM_WARPS["p2p_summary"], num_stages=_stages("p2p_summary", k.dtype), **_flags(k.dtype))
+    return hbuf, ht, gbuf
+
+
+def p2p_chain(gbuf: Tensor, hbuf: Tensor, ht: Tensor) -> None:
+    """Fills ``hbuf[..., :K]`` with the product ``P`` of the transitions before every group and
+    ``ht[..., :K]`` with ``M`` (``gdn_p2p_chain_kernel``), in place."""
+    B, NG, Hv, K, _ = gbuf.shape
+    BVC = min(64, K)
+    _k.gdn_p2p_chain_kernel[(K // BVC, B * Hv)](
+        gbuf, hbuf, ht, NG, Hv=Hv, K=K, V=hbuf.shape[-1] - K, BVC=BVC,
+        num_warps=NUM_WARPS["p2p_chain"], num_stages=NUM_STAGES["p2p_chain"], **_flags(hbuf.dtype))
 
 
 def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, scale: float) -> Tensor:
@@ -144,7 +176,7 @@ def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, sc
 
 def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Tensor, h_in: Tensor,
                scale: float) -> Tensor:
-    """Output from the augmented summary's states ``hbuf`` (``[P | h0]`` of every ``P2P_HSTRIDE``-th
+    """Output from the summary's states ``hbuf`` (``[P | h0]`` of every ``P2P_HSTRIDE``-th
     chunk), prepare's ``w``, ``u`` and the incoming state ``h_in`` fp32 [B,Hv,K,V]."""
     B, T, Hk, K = q.shape
     Hv, V = u.shape[2], u.shape[3]
@@ -278,14 +310,15 @@ def p2p_fwd_summary(k, v, g, beta, store_tinv: bool = False):
     """Everything of a rank's forward that does not need the incoming state, plus its summary.
 
     -> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], saved = (gc, w, u, tinv, hbuf)) where
-    ``H_out = M @ H_in + S``. One augmented state pass (width K + V) replaces the plain one; it
-    stores only the entering states ``[P | h0]`` of every ``P2P_HSTRIDE``-th chunk: the output
+    ``H_out = M @ H_in + S``. The summary pass and its chain replace the plain state pass; they
+    store only the entering states ``[P | h0]`` of every ``P2P_HSTRIDE``-th chunk: the output
     rebuilds the updates from ``w`` and ``u``. tinv is None unless ``store_tinv``: the executor's
     backward runs prepare again.
     """
     K = k.shape[-1]
     gc, w, u, tinv = fwd_prepare(k, v, g, beta, store_tinv)
-    hbuf, _, ht = fwd_state(k, w, u, gc, None, nx=K, hstride=P2P_HSTRIDE, store_vn=False)
+    hbuf, ht, gbuf = p2p_summary_pass(k, w, u, gc)
+    p2p_chain(gbuf, hbuf, ht)
     M, S = ht[..., :K], ht[..., K:]
     return M, S, (gc, w, u, tinv, hbuf)
 
