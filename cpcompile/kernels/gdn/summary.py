@@ -8,7 +8,7 @@ A GDN segment (a chunk, a rank's local slice, a whole sequence) acts on the recu
 ``M`` is the product of the per-token transitions ``exp(g_t) (I - beta_t k_t k_t^T)`` (later tokens
 on the left) and ``S`` is the state the segment produces from ``H_in = 0``. Everything here is pure
 linear algebra on such pairs; how a pair is computed from tokens lives in ``eager`` (and, for the
-``triton`` backend, in the augmented state passes of ``triton.launch``).
+``triton`` backend, in the State-P2P summary kernels of ``triton.launch``).
 
 Order matters everywhere: summaries compose like matrices, so "earlier, later" is not the same as
 "later, earlier". Lists are always in sequence (= CP rank) order, earliest first.

@@ -251,6 +251,8 @@ def gdn_p2p_summary_kernel(
     NIC: tl.constexpr = K // BVI
     NG = (NT + HS - 1) // HS
     pid = tl.program_id(0)
+    # the role branch sits outside the chunk loops: a run-time branch around a load inside a loop
+    # keeps that load out of Triton's software pipeline
     if pid < NVP * BH:
         i_bh, i_v = pid // NVP, pid % NVP
         i_b, i_h = i_bh // Hv, i_bh % Hv
