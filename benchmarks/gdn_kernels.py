@@ -173,11 +173,10 @@ def bench_p2p(T, warmup, repeat, rows, with_fla=False):
 
     o_ref, h_ref = plain()
     o_p2p, h_p2p = p2p()
-    M, S = L.p2p_fwd_summary(k, v, g, beta)[:2]
     err = max(_rel(o_p2p, o_ref), _rel(h_p2p, h_ref))
     t_plain = time_cuda(plain, warmup, repeat)
     t_p2p = time_cuda(p2p, warmup, repeat)
-    _, _, saved = L.p2p_fwd_summary(k, v, g, beta)
+    M, S, saved = L.p2p_fwd_summary(k, v, g, beta)
     t_sum = time_cuda(lambda: L.p2p_fwd_summary(k, v, g, beta), warmup, repeat)
     t_out = time_cuda(lambda: L.p2p_fwd_output(q, k, saved, h_in, scale), warmup, repeat)
 
@@ -194,9 +193,10 @@ def bench_p2p(T, warmup, repeat, rows, with_fla=False):
     ref_g = L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, dht, scale)
     got_g, got_dh = p2p_bwd()
     gerr = max(_rel(a, b) for a, b in zip([*got_g, got_dh], ref_g))
-    dl, mt, dvl = L.p2p_bwd_summary(q, k, w, gc, do, scale)
-    fla_cp = (fla_cp_summaries(q, k, w, u, gc, do, dvl, scale, (M, S, dl, mt), warmup, repeat)
-              if with_fla else None)
+    fla_cp = None
+    if with_fla:
+        dl, mt, dvl = L.p2p_bwd_summary(q, k, w, gc, do, scale)
+        fla_cp = fla_cp_summaries(q, k, w, u, gc, do, dvl, scale, (M, S, dl, mt), warmup, repeat)
     rows.append(dict(T=T, plain=t_plain, p2p=t_p2p, summary=t_sum, output=t_out, err=err,
                      bplain=t_bplain, bp2p=t_bp2p, gerr=gerr, fla_cp=fla_cp))
     print(f"  P2P T={T}: plain fwd {t_plain:.3f} ms, summary {t_sum:.3f} + output {t_out:.3f} "
