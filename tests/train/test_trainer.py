@@ -18,13 +18,18 @@ from dist_utils import run_distributed
 from gdn_harness import TEXT, gdn_plan
 
 STEPS = 4
+# lr 1e-3, not 1e-2: at 1e-2 these 4 random-token steps are chaotic enough that float64 rounding
+# (step 1's gradient norms differ by ~1e-10: the GDN decay gradients sum cancelling terms) grew
+# past 1e-6 by step 3 in 1 CI run, and to 7.7e-7 in 1 of 40 seeds here; eps 1e-6 did not tame it.
+# At 1e-3, 60 seeds: worst 1.3e-8 over the 4 steps (scratch sweep of dp_shard 2 x cp 2 vs one process).
+LR = 1e-3
 
 
 def qwen3_5_config(seed: int, cp: int = 2, dp_shard: int = 1, dp_replicate: int = 1, **train) -> dict:
     plan = gdn_plan(cp, "p2p", sdpa="sdpa_hf")
     plan["accelerator"].update(dp_shard_size=dp_shard, dp_replicate_size=dp_replicate)
     return {"model": {"model_type": "qwen3_5_text", **TEXT},
-            "train": {"steps": STEPS, "seq_len": 32, "batch_size": 4, "lr": 1e-2, "seed": seed, "dtype": "float64",
+            "train": {"steps": STEPS, "seq_len": 32, "batch_size": 4, "lr": LR, "seed": seed, "dtype": "float64",
                       "gdn_backend": "eager", **train},
             "optimizer": {"warmup_steps": 1}, **plan}
 
@@ -111,9 +116,10 @@ def runs(tmp_path_factory):
 def test_fsdp_over_dp_shard_x_cp_follows_one_process_without_cp(runs):
     """dp_shard 2 x cp 2 (GDN State-P2P + SDPA AllGather) against one process without a plan:
     the first step's loss, gradient norm and learning rate within 1e-9 in float64, the whole
-    trajectory within 1e-6 (the issue's bound: the GDN decay gradients sum cancelling terms, and
-    AdamW turns their rounding into real updates — 1.4e-7 seen in the gradient norm by step 3);
-    the loss is the global mean, the same on every rank."""
+    trajectory within 1e-6 (the issue's bound for its parity case: float64 rounding, ~1e-10 in
+    step 1's gradient norm where the GDN decay gradients sum cancelling terms, grows over the
+    AdamW steps; at `LR` the worst of 60 seeds was 1.3e-8); the loss is the global mean, the same
+    on every rank."""
     four, one = runs
     assert _close(four[0]["fsdp_cp"][:1], one["no_cp"][:1], 1e-9), (four[0]["fsdp_cp"], one["no_cp"])
     assert _close(four[0]["fsdp_cp"], one["no_cp"], 1e-6), (four[0]["fsdp_cp"], one["no_cp"])
