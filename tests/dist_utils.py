@@ -28,6 +28,7 @@ import datetime
 import os
 import pickle
 import queue
+import random
 import socket
 import sys
 import time
@@ -57,10 +58,31 @@ class DistributedTestError(AssertionError):
 
 
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range. Rank 0 binds it only after the other ranks
+    have started connecting; a port from the ephemeral range (what binding port 0 gives) can be
+    picked meanwhile as a connecting socket's own source port, and a client connected to itself
+    hangs its job: the likely cause of the one hang seen (all 4 ranks of test_four_gloo_ranks timed
+    out, once in ~18 suite runs)."""
+    low = _ephemeral_range_start()
+    rng = random.Random()
+    for _ in range(100):
+        port = rng.randrange(max(1024, low - 10000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"dist_utils: no free port in [{max(1024, low - 10000)}, {low})")
+
+
+def _ephemeral_range_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as handle:
+            return int(handle.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def run_distributed(
