@@ -66,17 +66,20 @@ def cp_steps(make_model, batch: dict, plan: dict) -> dict:
 
 
 def errors(got, want) -> dict:
-    """Relative errors of logits, loss and each gradient; the GDN decay parameters' gradients
-    (A_log, dt_bias, in_proj_a) are judged together, one error per kind over every layer: each is a
-    sum of cancelling terms whose bf16 error is rounding noise, so one layer's single parameter
-    compares two noise draws (CP's was 1.65x the single device's once in ~25 seeded runs)."""
+    """Relative errors of logits, loss and each gradient. Per-layer vectors (the norm weights) and
+    the GDN decay parameters (A_log, dt_bias, in_proj_a) are judged per kind over every layer: their
+    bf16 error is rounding noise on few numbers (8 in a q_norm), so one layer's error compares two
+    noise draws. Per layer, CP's q_norm/k_norm error passed 1.5x the single device's + 1e-3 in 4 of
+    30 seeds (the worst 2.5x), while over every parameter CP's error was 0.95-1.05x the single
+    device's; pooled over the layers, 30 seeds stayed within 0.83 of that bound."""
     logits, loss, grads = got
-    out = {n: rel(g, want[2][n]) for n, g in grads.items() if not n.endswith(DECAY_PARAMS)}
-    for kind in DECAY_PARAMS:
-        names = [n for n in grads if n.endswith(kind)]
-        if names:
-            out[f"every layer's {kind}"] = rel(torch.cat([grads[n].flatten() for n in names]),
-                                               torch.cat([want[2][n].flatten() for n in names]))
+    kinds: dict[str, list[str]] = {}
+    for name, grad in grads.items():
+        pooled = ".layers." in name and (grad.dim() == 1 or name.endswith(DECAY_PARAMS))
+        kinds.setdefault(f"every layer's {name.rsplit('.layers.', 1)[1].split('.', 1)[1]}" if pooled else name,
+                         []).append(name)
+    out = {kind: rel(torch.cat([grads[n].flatten() for n in names]), torch.cat([want[2][n].flatten() for n in names]))
+           for kind, names in kinds.items()}
     return {"logits": rel(logits, want[0]), "loss": rel(loss, want[1]), "grads": out}
 
 
