@@ -102,8 +102,9 @@ def results() -> list:
 
 def gradient_floor(method: str, name: str) -> tuple[float, float]:
     """(bf16 floor, fp32 bound) for one gradient. GDN parameter gradients sum many cancelling terms
-    (the decay parameters' the most), so the GDN tests hold them to a 1e-2 floor in bf16 and
-    the decay ones to 1e-2 in fp32 (tests/gdn/test_gdn_equivalence.py); everything else as usual."""
+    (the decay parameters' the most): a 1e-2 floor in bf16, as tests/gdn/test_gdn_equivalence.py
+    has, and 1e-2 for the decay ones in fp32 (pooled over the layers, the worst of 30 seeds was
+    5.3e-6: the bound only has to catch a wrong graph); everything else as usual."""
     from cpcompile.parity import FLOOR
 
     if not method.startswith("gdn"):
