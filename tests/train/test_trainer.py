@@ -23,6 +23,10 @@ STEPS = 4
 # past 1e-6 by step 3 in 1 CI run, and to 7.7e-7 in 1 of 40 seeds here; eps 1e-6 did not tame it.
 # At 1e-3, 60 seeds: worst 1.3e-8 over the 4 steps (scratch sweep of dp_shard 2 x cp 2 vs one process).
 LR = 1e-3
+# Step 1 (one forward and backward from the same weights) is exact but for the fp32 casts Qwen3.5's
+# GDN layer keeps in float64 runs: its gradient norm differed by 5e-11 (median) to 3.2e-10 (worst)
+# in 251 runs of the sweep above; a CP bug moves it by far more than 1e-8.
+STEP_1_RTOL = 1e-8
 
 
 def qwen3_5_config(seed: int, cp: int = 2, dp_shard: int = 1, dp_replicate: int = 1, **train) -> dict:
@@ -115,13 +119,13 @@ def runs(tmp_path_factory):
 
 def test_fsdp_over_dp_shard_x_cp_follows_one_process_without_cp(runs):
     """dp_shard 2 x cp 2 (GDN State-P2P + SDPA AllGather) against one process without a plan:
-    the first step's loss, gradient norm and learning rate within 1e-9 in float64, the whole
+    the first step's loss, gradient norm and learning rate within `STEP_1_RTOL` in float64, the whole
     trajectory within 1e-6 (the issue's bound for its parity case: float64 rounding, ~1e-10 in
     step 1's gradient norm where the GDN decay gradients sum cancelling terms, grows over the
     AdamW steps; at `LR` the worst of 60 seeds was 1.3e-8); the loss is the global mean, the same
     on every rank."""
     four, one = runs
-    assert _close(four[0]["fsdp_cp"][:1], one["no_cp"][:1], 1e-9), (four[0]["fsdp_cp"], one["no_cp"])
+    assert _close(four[0]["fsdp_cp"][:1], one["no_cp"][:1], STEP_1_RTOL), (four[0]["fsdp_cp"], one["no_cp"])
     assert _close(four[0]["fsdp_cp"], one["no_cp"], 1e-6), (four[0]["fsdp_cp"], one["no_cp"])
     assert all(r["fsdp_cp"] == four[0]["fsdp_cp"] for r in four)
 

@@ -16,7 +16,7 @@ import torch
 
 from dist_utils import run_distributed
 from gdn_harness import gdn_plan
-from test_trainer import _close, _curves, _run, qwen3_5_config, without_cp
+from test_trainer import STEP_1_RTOL, _close, _curves, _run, qwen3_5_config, without_cp
 
 BYTE_VOCAB = 257  # the byte tokenizer's ids
 
@@ -178,12 +178,12 @@ def runs(tmp_path_factory):
 
 def test_a_packed_cp_2_run_follows_the_packed_run_without_a_plan(runs):
     """GDN State-P2P (eager) with SDPA AllGather on synthetic documents, and with SDPA Ulysses on a
-    JSONL file, float64: step 1's loss and gradient norm within 1e-9 (one exact forward and
+    JSONL file, float64: step 1's loss and gradient norm within `STEP_1_RTOL` (one exact forward and
     backward), every later step's within 1e-6 (float64 rounding grows over the AdamW steps, as in
     test_trainer at its `LR`); the same on both ranks."""
     two, one = runs
     for cp2, alone in ((two[0]["synthetic"], one["synthetic"]), (two[0]["jsonl_ulysses"], one["jsonl"])):
-        assert _close(cp2[:1], alone[:1], 1e-9) and _close(cp2, alone, 1e-6), (cp2, alone)
+        assert _close(cp2[:1], alone[:1], STEP_1_RTOL) and _close(cp2, alone, 1e-6), (cp2, alone)
     assert two[1]["synthetic"] == two[0]["synthetic"]
     assert two[0]["verified"] == two[0]["synthetic"]  # verify (train.verify) passed every step
 
