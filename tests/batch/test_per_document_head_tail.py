@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from cpcompile.batch import local_indices, shard_batch, unshard
-from cpcompile.documents import GLOBAL_POSITIONS, per_document_head_tail, positions_from_starts
+from cpcompile.documents import GLOBAL_POSITIONS, per_document_head_tail
 from cpcompile.errors import CPInputError
 from cpcompile.methods import HEAD_TAIL, CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan

@@ -75,12 +75,18 @@ def errors(got, want) -> dict:
     logits, loss, grads = got
     kinds: dict[str, list[str]] = {}
     for name, grad in grads.items():
-        pooled = ".layers." in name and (grad.dim() == 1 or name.endswith(DECAY_PARAMS))
-        kinds.setdefault(f"every layer's {name.rsplit('.layers.', 1)[1].split('.', 1)[1]}" if pooled else name,
-                         []).append(name)
+        kinds.setdefault(_judged_as(name, grad), []).append(name)
     out = {kind: rel(torch.cat([grads[n].flatten() for n in names]), torch.cat([want[2][n].flatten() for n in names]))
            for kind, names in kinds.items()}
     return {"logits": rel(logits, want[0]), "loss": rel(loss, want[1]), "grads": out}
+
+
+def _judged_as(name: str, grad: torch.Tensor) -> str:
+    """`model.layers.3.self_attn.q_norm.weight` -> `every layer's self_attn.q_norm.weight` for the
+    pooled kinds; any other parameter is judged under its own name."""
+    if ".layers." not in name or not (grad.dim() == 1 or name.endswith(DECAY_PARAMS)):
+        return name
+    return "every layer's " + name.rsplit(".layers.", 1)[1].split(".", 1)[1]
 
 
 def _run(rank: int, world: int, seed: int) -> dict:

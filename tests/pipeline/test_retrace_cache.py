@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 
-import pytest
 import torch
 
 from cp_harness import sdpa_plan, tiny_qwen3

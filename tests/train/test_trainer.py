@@ -18,9 +18,8 @@ from dist_utils import run_distributed
 from gdn_harness import TEXT, gdn_plan
 
 STEPS = 4
-# lr 1e-3, not 1e-2: at 1e-2 these 4 random-token steps are chaotic enough that float64 rounding
-# (step 1's gradient norms differ by ~1e-10: the GDN decay gradients sum cancelling terms) grew
-# past 1e-6 by step 3 in 1 CI run, and to 7.7e-7 in 1 of 40 seeds here; eps 1e-6 did not tame it.
+# lr 1e-3, not 1e-2: at 1e-2 these 4 random-token steps are chaotic enough that the float64 runs'
+# difference (~1e-10 in step 1's gradient norm, see STEP_1_RTOL) grew past 1e-6 by step 3 in 1 CI run, and to 7.7e-7 in 1 of 40 seeds here; eps 1e-6 did not tame it.
 # At 1e-3, 60 seeds: worst 1.3e-8 over the 4 steps (scratch sweep of dp_shard 2 x cp 2 vs one process).
 LR = 1e-3
 # Step 1 (one forward and backward from the same weights) is exact but for the fp32 casts Qwen3.5's
@@ -180,8 +179,6 @@ def _gradients_with_and_without_ac(rank: int, world: int, seed: int) -> dict:
     CP=4 model with every decoder layer checkpointed and one without, on a batch of a length the
     regions first meet inside the checkpointed forward (so they trace it there), and how often
     each rewritten attention region ran in the checkpointed step (forward + recompute)."""
-    import torch
-
     import cpcompile
     from cp_harness import qwen3_with_heads, random_batch
     from cpcompile.trainer.parallelize import apply_activation_checkpointing
