@@ -682,7 +682,7 @@ def main():
                     print(f"  {name} T={T} failed: {exc!r}", flush=True)
             if T <= args.ref_max_T:
                 bench_method("hf-torch", "transformers torch_chunk_gated_delta_rule", ref, T, 1, 3, rows)
-            bench_p2p(T, args.warmup, args.repeat, p2p_rows, with_fla=len(methods) > 1)
+            bench_p2p(T, args.warmup, args.repeat, p2p_rows, with_fla=any(m[0] == "fla-core" for m in methods))
             bench_layer_ops(T, args.warmup, args.repeat, layer_rows)
             torch.cuda.empty_cache()
         for T in args.profile_T:
@@ -749,22 +749,24 @@ def main():
 def fla_cp_lines(p2p_rows, rows) -> list[str]:
     """The State-P2P local cost beside fla-core's context parallelism at the same T: its middle rank
     runs its plain forward / backward plus one summary kernel each (``fla_cp_summaries``)."""
-    lines = ["", "The same local cost for fla-core's context parallelism (`fla.ops.cp`, all-gather of "
-             "summaries): its plain forward / backward (table above) plus its summary kernel, timed on the "
-             "same prepared tensors. Ratios are to each library's own plain pass:", "",
-             "| T | fla-core fwd + CP summary ms | ratio | fla-core bwd + CP summary ms | ratio | "
-             "cpcompile State-P2P fwd / bwd ms | rel diff of fla's summaries from ours |",
-             "|---|---|---|---|---|---|---|"]
+    table = []
     for r in p2p_rows:
         fla = next((x for x in rows if x["method"] == "fla-core" and x["T"] == r["T"]), None)
         cp = r.get("fla_cp")
         if fla is None or cp is None:
             continue
         bwd = fla["fb"] - fla["fwd"]
-        lines.append(f"| {r['T']} | {fla['fwd']:.3f} + {cp['fwd']:.3f} | {(fla['fwd'] + cp['fwd']) / fla['fwd']:.2f} "
+        table.append(f"| {r['T']} | {fla['fwd']:.3f} + {cp['fwd']:.3f} | {(fla['fwd'] + cp['fwd']) / fla['fwd']:.2f} "
                      f"| {bwd:.3f} + {cp['bwd']:.3f} | {(bwd + cp['bwd']) / bwd:.2f} | {r['p2p']:.3f} / {r['bp2p']:.3f} "
                      f"| {cp['err']} |")
-    return lines if len(lines) > 5 else []
+    if not table:
+        return []
+    return ["", "The same local cost for fla-core's context parallelism (`fla.ops.cp`, all-gather of "
+            "summaries): its plain forward / backward (table above) plus its summary kernel, timed on the "
+            "same prepared tensors. Ratios are to each library's own plain pass:", "",
+            "| T | fla-core fwd + CP summary ms | ratio | fla-core bwd + CP summary ms | ratio | "
+            "cpcompile State-P2P fwd / bwd ms | rel diff of fla's summaries from ours |",
+            "|---|---|---|---|---|---|---|", *table]
 
 
 def write_report(lines: list[str], out: str | None, stem: str, device_name: str) -> None:

@@ -66,6 +66,8 @@ def triton_cdiv(a: int, b: int) -> int:
 STATE_BV = {"state": 32, "p2p_summary": 64, "bwd_state": 32, "bwd_state_aug": 64}
 # the forward summary's identity-column block (one program per block, group of P2P_HSTRIDE chunks and head)
 P2P_IDENTITY_BV = 64
+# the chain's column block of P (one program per block and head, sequential over the groups)
+P2P_CHAIN_BV = 64
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
 # State-P2P: chunks per stored summary state (the output steps the state through the others) and
@@ -156,7 +158,7 @@ def p2p_chain(gbuf: Tensor, hbuf: Tensor, ht: Tensor) -> None:
     """Fills ``hbuf[..., :K]`` with the product ``P`` of the transitions before every group and
     ``ht[..., :K]`` with ``M`` (``gdn_p2p_chain_kernel``), in place."""
     B, NG, Hv, K, _ = gbuf.shape
-    BVC = min(64, K)
+    BVC = min(P2P_CHAIN_BV, K)
     _k.gdn_p2p_chain_kernel[(K // BVC, B * Hv)](
         gbuf, hbuf, ht, NG, Hv=Hv, K=K, V=hbuf.shape[-1] - K, BVC=BVC,
         num_warps=NUM_WARPS["p2p_chain"], num_stages=NUM_STAGES["p2p_chain"], **_flags(hbuf.dtype))
