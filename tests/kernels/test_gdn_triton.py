@@ -153,8 +153,8 @@ def _check_p2p(B, T, Hk, Hv, K, V, dtype, cuts, *, seed, tol):
 
 
 # every selectable State-P2P forward variant: chunks per stored summary state (= per group of the
-# summary's identity programs) x column block of the output and of the summary's value and identity
-# programs (16: two of each per head at K = V = 32)
+# summary's identity programs) x column block of the output, of the summary's value and identity
+# programs and of the chain (16: two of each per head at K = V = 32)
 P2P_VARIANTS = [pytest.param(hs, bv, id=f"hs{hs}-bv{bv}") for hs in (1, 2, 16) for bv in (16, 32)]
 
 
@@ -165,6 +165,7 @@ def _p2p_variant(monkeypatch, hstride, bv):
     monkeypatch.setattr(launch, "P2P_OUTPUT_BV", bv)
     monkeypatch.setattr(launch, "P2P_IDENTITY_BV", bv)
     monkeypatch.setitem(launch.STATE_BV, "p2p_summary", bv)
+    monkeypatch.setattr(launch, "P2P_CHAIN_BV", bv)
 
 
 @cpu_only

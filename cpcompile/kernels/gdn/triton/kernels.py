@@ -278,16 +278,25 @@ def gdn_p2p_summary_kernel(
 def gdn_p2p_chain_kernel(gbuf, hbuf, ht, NG, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
                          BVC: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr):
     """``P_0 = I``, ``P_{g+1} = G_g P_g`` over the groups, fp32 (tf32 dots): stores ``P_g`` into
-    ``hbuf[:, g, ..., :K]`` and ``M = P_NG`` into ``ht[..., :K]``. Per (column block, batch*head)."""
+    ``hbuf[:, g, ..., :K]`` and ``M = P_NG`` into ``ht[..., :K]``. Per (column block, batch*head).
+
+    The loop is bound by loading each K x K fp32 ``G_g``, not by its dot, and the tile is too large
+    for a pipelined loop's shared memory: the next group's ``G`` is loaded into registers before
+    this group's dot (0.22 -> 0.16 ms at 64K tokens with 32 columns a program)."""
     NS: tl.constexpr = K + V
     i_c, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // Hv, i_bh % Hv
     c0 = i_c * BVC
     b_p = tl.where(tl.arange(0, K)[:, None] == (c0 + tl.arange(0, BVC))[None, :], 1.0, 0.0)
+    b_g = tl.load(_mat_ptr(gbuf + (i_b.to(tl.int64) * NG * Hv + i_h) * K * K, K, 0, K, K))
     for i_g in range(NG):
         row = (i_b.to(tl.int64) * NG + i_g) * Hv + i_h
+        # the last group reloads its own G: a branch here would keep the load out of the loop body's start
+        nxt = (i_b.to(tl.int64) * NG + tl.minimum(i_g + 1, NG - 1)) * Hv + i_h
+        b_next = tl.load(_mat_ptr(gbuf + nxt * K * K, K, 0, K, K))
         tl.store(_mat_ptr(hbuf + row * K * NS, NS, c0, K, BVC), b_p.to(hbuf.dtype.element_ty))
-        b_p = _mm(tl.load(_mat_ptr(gbuf + row * K * K, K, 0, K, K)), b_p, PREC, UPCAST)
+        b_p = _mm(b_g, b_p, PREC, UPCAST)
+        b_g = b_next
     tl.store(_mat_ptr(ht + i_bh.to(tl.int64) * K * NS, NS, c0, K, BVC), b_p)
 
 

@@ -66,8 +66,10 @@ def triton_cdiv(a: int, b: int) -> int:
 STATE_BV = {"state": 32, "p2p_summary": 64, "bwd_state": 32, "bwd_state_aug": 64}
 # the forward summary's identity-column block (one program per block, group of P2P_HSTRIDE chunks and head)
 P2P_IDENTITY_BV = 64
-# the chain's column block of P (one program per block and head, sequential over the groups)
-P2P_CHAIN_BV = 64
+# the chain's column block of P (one program per block and head, sequential over the groups). H200,
+# 8 warps, next G prefetched: 32 took 0.063 / 0.159 ms at 16K / 64K, 64 0.064 / 0.186, 128 0.088 / 0.260
+# (results/gdn_p2p_output_variants_2026-12-01_NVIDIA-H200.md)
+P2P_CHAIN_BV = 32
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
 # State-P2P: chunks per stored summary state (the output steps the state through the others) and
