@@ -241,7 +241,7 @@ _DICT_KNOBS = {"ow": ("NUM_WARPS", "p2p_output"), "ost": ("NUM_STAGES", "p2p_out
                "sbv": ("STATE_BV", "p2p_summary"), "sw": ("NUM_WARPS", "p2p_summary"), "sst": ("NUM_STAGES", "p2p_summary"),
                "plain_ow": ("NUM_WARPS", "output"), "bbv": ("STATE_BV", "bwd_state_aug"),
                "bw": ("NUM_WARPS", "bwd_state_aug"), "bst": ("NUM_STAGES", "bwd_state_aug")}
-P2P_GRID = {"hs": [4, 8, 16, 32], "sbv": [32, 64], "sw": [4, 8], "sst": [3], "obv": [64, 128], "ow": [4, 8],
+P2P_GRID = {"hs": [0, 16, 32, 64, 128, 256], "sbv": [32, 64], "sw": [4, 8], "sst": [3], "obv": [64, 128], "ow": [4, 8],
             "ost": [1], "plain_obv": [64, 128], "plain_ow": [4], "bbv": [64], "bw": [4], "bst": [3]}
 
 
@@ -256,12 +256,13 @@ def _set(L, **kw):
             getattr(L, table)[entry] = val
         else:
             old[key] = getattr(L, names[key])
-            setattr(L, names[key], val)
+            # hs 0 (or a restored None) is launch.p2p_hstride's own pick per call
+            setattr(L, names[key], None if key == "hs" and not val else val)
     return old
 
 
 def _p2p_defaults(L):
-    return dict(hs=L.P2P_HSTRIDE, sbv=L.STATE_BV["p2p_summary"], sw=L.NUM_WARPS["p2p_summary"],
+    return dict(hs=L.P2P_HSTRIDE or 0, sbv=L.STATE_BV["p2p_summary"], sw=L.NUM_WARPS["p2p_summary"],
                 sst=L.NUM_STAGES["p2p_summary"], obv=L.P2P_OUTPUT_BV,
                 ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
                 plain_ow=L.NUM_WARPS["output"])
@@ -795,7 +796,7 @@ def main_p2p_variants(args):
     print(env, flush=True)
     lines = [f"# GDN State-P2P variants — {_dt.date.today().isoformat()}", "", f"Environment: {env}.", "",
              f"Shapes: B={B}, key heads {HK}, value heads {HV}, K=V={DK}, bf16; median of {args.repeat} after "
-             f"{args.warmup} warm-ups. hs: chunks per stored summary state; sbv/sw/sst: the summary pass's value "
+             f"{args.warmup} warm-ups. hs: chunks per stored summary state (0: launch.p2p_hstride's pick); sbv/sw/sst: the summary pass's value "
              "block / warps / stages; obv/ow/ost: output value block / warps / stages. "
              "Each output row takes its hs's fastest summary. bbv/bw/bst: the backward summary's reverse "
              "pass column block / warps / stages; its ratio adds the summary to a plain backward, whose "

@@ -36,8 +36,8 @@ def _nt(T: int) -> int:
 def gdn_p2p_fwd_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                         ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], gc, w, u, tinv, hbuf); ``H_out = M H_in + S``.
-    ``hbuf`` [B, cdiv(NT, launch.P2P_HSTRIDE), Hv, K, K+V]: entering states ``[P | h0]`` of every
-    ``P2P_HSTRIDE``-th chunk."""
+    ``hbuf`` [B, cdiv(NT, HS), Hv, K, K+V]: entering states ``[P | h0]`` of every HS-th chunk
+    (``launch.p2p_hstride``)."""
     check_device(k.device.type, k.device.index)
     M, S, saved = launch.p2p_fwd_summary(_c(k), _c(v), _c(g), _c(beta), store_tinv=True)  # for the finish
     return (M.contiguous(), S.contiguous(), *saved)
@@ -51,7 +51,8 @@ def _(k, v, g, beta):
     return (k.new_empty(B, Hv, K, K, dtype=f32), k.new_empty(B, Hv, K, V, dtype=f32),
             k.new_empty(B, T, Hv, dtype=f32), k.new_empty(B, T, Hv, K), k.new_empty(B, T, Hv, V),
             k.new_empty(B, T, Hv, CHUNK_SIZE, dtype=f32),
-            k.new_empty(B, launch.triton_cdiv(_nt(T), launch.P2P_HSTRIDE), Hv, K, K + V))
+            k.new_empty(B, launch.triton_cdiv(_nt(T), launch.p2p_hstride(B, Hv, V, _nt(T), k.dtype, k.device)),
+                        Hv, K, K + V))
 
 
 @torch.library.custom_op("cpcompile_test::gdn_p2p_fwd_output", mutates_args=())

@@ -194,6 +194,29 @@ def test_p2p_output_rejects_other_hstride(monkeypatch):
         launch.p2p_fwd_output(q, k, saved, state, 0.25)
 
 
+def test_p2p_hstride_fills_one_output_wave(monkeypatch):
+    """The per-call State-P2P stride: about two output programs per SM, groups as long as that allows
+    (a power of two within P2P_HSTRIDE_RANGE); a fixed P2P_HSTRIDE overrides it; no SMs, the shortest."""
+    from types import SimpleNamespace
+
+    from cpcompile.kernels.gdn.triton import launch
+
+    monkeypatch.setattr(launch, "P2P_HSTRIDE", None)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+
+    def pick(B, Hv, NT):
+        return launch.p2p_hstride(B, Hv, 128, NT, bf16, cuda)
+    # 32 value heads x 2 value blocks = 64 programs a group: 4 groups for 264 slots
+    assert [pick(1, 32, nt) for nt in (64, 128, 256, 512, 1024)] == [16, 32, 64, 128, 256]
+    assert pick(1, 32, 4096) == 256 and pick(1, 32, 8) == 16  # the range's ends
+    assert pick(1, 32, 258) == 128  # 65 chunks a group rounds up: 3 groups, the last one short
+    assert pick(2, 32, 256) == 128 and pick(1, 8, 1024) == 64  # twice the heads: half the groups; a quarter: 4x
+    assert launch.p2p_hstride(1, 32, 128, 1024, bf16, torch.device("cpu")) == 16
+    monkeypatch.setattr(launch, "P2P_HSTRIDE", 2)
+    assert pick(1, 32, 1024) == 2
+
+
 @cpu_only
 def test_prepare_without_tinv_gives_the_same_w_u():
     """A forward whose backward recomputes prepare skips tinv's store and nothing else."""
@@ -376,3 +399,17 @@ def test_gpu_fwd_bwd_fp32():
 def test_gpu_p2p_long(T):
     cuts = [0, T // 4 + 17, T // 2, T]
     _check_p2p(1, T, 2, 4, 128, 128, torch.bfloat16, cuts, seed=T + 1, tol=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_p2p_qwen_heads_long_groups():
+    """Qwen3.5's heads give few, long State-P2P groups (``p2p_hstride``), the last one short."""
+    from cpcompile.kernels.gdn.triton import launch
+
+    T = 16384 + 100
+    cuts = [0, T // 4 + 17, T // 2, T]
+    nt_last = launch.triton_cdiv(T - T // 2, 64)
+    hs = launch.p2p_hstride(1, 32, 128, nt_last, torch.bfloat16, torch.device("cuda"))
+    assert hs > 16 and nt_last % hs, (hs, nt_last)
+    _check_p2p(1, T, 16, 32, 128, 128, torch.bfloat16, cuts, seed=T, tol=3e-2)

@@ -72,13 +72,15 @@ P2P_IDENTITY_BV = 64
 P2P_CHAIN_BV = 32
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
-# State-P2P: chunks per stored summary state (the output steps the state through the others) and
-# the output's value block. H200, K=V=128 bf16, T=4K..64K (benchmarks/gdn_kernels.py --p2p-variants):
-# HS 16 was best or within 2% (fewer stored states in the summary, fewer K x K state dots in the
-# output; 32 lost at 4K: too few groups); BV = V was slower than 64 at 4 or 8 warps; BV = 32 hit an
-# illegal address there (Triton 3.6, not understood: the interpreter gives the right result), so keep
-# it >= 64 at K = 128. Summary and output must run with the same P2P_HSTRIDE (``p2p_fwd_output`` checks).
-P2P_HSTRIDE = 16
+# State-P2P: chunks per stored summary state (= per group of the summary's identity programs; the
+# output steps the state through the others) and the output's value block. BV = V was slower than 64
+# at 4 or 8 warps; BV = 32 hit an illegal address at 4 warps and gave wrong outputs at 8 (one stage,
+# Triton 3.6 on an H200; the interpreter gives the right result), so keep it >= 64 at K = 128.
+# P2P_HSTRIDE None: ``p2p_hstride`` picks the stride per call; an int fixes it (tests, benchmarks).
+P2P_HSTRIDE: int | None = None
+# The output kernel fits two programs per SM (registers); its grid is (V/BV, groups, B*Hv).
+P2P_OUTPUT_PROGRAMS_PER_SM = 2
+P2P_HSTRIDE_RANGE = (16, 256)
 P2P_OUTPUT_BV = 64
 
 
@@ -97,6 +99,29 @@ def _p2p_output_bv(V: int, dtype: torch.dtype) -> int:
 
 def _state_bv(key: str, K: int, V: int) -> int:
     return min(STATE_BV[key], K, V)
+
+
+def p2p_hstride(B: int, Hv: int, V: int, NT: int, dtype: torch.dtype, device: torch.device) -> int:
+    """Chunks per State-P2P group: as many groups as give the output kernel one full wave (two
+    programs per SM), each group as long as that allows (fewer stored states, a shorter chain).
+    H200, 16 key / 32 value heads, K = V = 128 bf16, full forward against HS fixed at 16..256
+    (results/gdn_p2p_output_variants_2026-12-01_NVIDIA-H200.md): the rule's pick (4 groups at
+    these shapes) was the fastest or within 1% at 4K..64K; 2 groups lost at every T (a half-empty
+    wave), 16 chunks at 64K cost 6% more. Summary and output must agree (``p2p_output`` checks);
+    both call this with the same shapes."""
+    if P2P_HSTRIDE is not None:
+        return P2P_HSTRIDE
+    lo, hi = P2P_HSTRIDE_RANGE
+    if device.type != "cuda":  # the CPU interpreter: no SMs to fill
+        return lo
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    per_group = B * Hv * (V // _p2p_output_bv(V, dtype))
+    groups = max(1, round(P2P_OUTPUT_PROGRAMS_PER_SM * sms / per_group))
+    return min(max(_next_power_of_2(triton_cdiv(NT, groups)), lo), hi)
+
+
+def _next_power_of_2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 # ----------------------------------------------------------------------------- forward pieces
@@ -139,11 +164,11 @@ def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, st
 
 def p2p_summary_pass(k: Tensor, w: Tensor, u: Tensor, gc: Tensor):
     """The zero-state pass and the group transitions of a State-P2P summary (``gdn_p2p_summary_kernel``)
-    -> (hbuf [B,NG,Hv,K,K+V] with ``h0`` of every ``P2P_HSTRIDE``-th chunk in ``[..., K:]``, ht fp32
+    -> (hbuf [B,NG,Hv,K,K+V] with ``h0`` of every ``p2p_hstride``-th chunk in ``[..., K:]``, ht fp32
     [B,Hv,K,K+V] with ``S`` in ``[..., K:]``, gbuf fp32 [B,NG,Hv,K,K] the group transitions);
     ``p2p_chain`` fills the identity parts."""
     B, T, Hk, Hv, K, V, NT = _dims(k, u)
-    HS = P2P_HSTRIDE
+    HS = p2p_hstride(B, Hv, V, NT, k.dtype, k.device)
     NG = triton_cdiv(NT, HS)
     BV, BVI = _state_bv("p2p_summary", K, V), min(P2P_IDENTITY_BV, K)
     hbuf = torch.empty(B, NG, Hv, K, K + V, device=k.device, dtype=k.dtype)
@@ -180,14 +205,15 @@ def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, sc
 
 def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Tensor, h_in: Tensor,
                scale: float) -> Tensor:
-    """Output from the summary's states ``hbuf`` (``[P | h0]`` of every ``P2P_HSTRIDE``-th
+    """Output from the summary's states ``hbuf`` (``[P | h0]`` of every ``p2p_hstride``-th
     chunk), prepare's ``w``, ``u`` and the incoming state ``h_in`` fp32 [B,Hv,K,V]."""
     B, T, Hk, K = q.shape
     Hv, V = u.shape[2], u.shape[3]
-    NT, HS = triton_cdiv(T, CHUNK_SIZE), P2P_HSTRIDE
+    NT = triton_cdiv(T, CHUNK_SIZE)
+    HS = p2p_hstride(B, Hv, V, NT, q.dtype, q.device)
     if hbuf.shape[1] != triton_cdiv(NT, HS):
         raise CPInputError(f"GDN State-P2P: the summary stored {hbuf.shape[1]} states for {NT} chunks, but "
-                         f"P2P_HSTRIDE is {HS}: summary and output must run with the same setting")
+                         f"the output's stride is {HS} chunks: summary and output must run with the same setting")
     BV = _p2p_output_bv(V, q.dtype)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
     _k.gdn_p2p_output_kernel[(V // BV, triton_cdiv(NT, HS), B * Hv)](
@@ -315,7 +341,7 @@ def p2p_fwd_summary(k, v, g, beta, store_tinv: bool = False):
 
     -> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], saved = (gc, w, u, tinv, hbuf)) where
     ``H_out = M @ H_in + S``. The summary pass and its chain replace the plain state pass; they
-    store only the entering states ``[P | h0]`` of every ``P2P_HSTRIDE``-th chunk: the output
+    store only the entering states ``[P | h0]`` of every ``p2p_hstride``-th chunk: the output
     rebuilds the updates from ``w`` and ``u``. tinv is None unless ``store_tinv``: the executor's
     backward runs prepare again.
     """
