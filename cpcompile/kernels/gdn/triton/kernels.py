@@ -291,7 +291,7 @@ def gdn_p2p_chain_kernel(gbuf, hbuf, ht, NG, Hv: tl.constexpr, K: tl.constexpr, 
     b_g = tl.load(_mat_ptr(gbuf + (i_b.to(tl.int64) * NG * Hv + i_h) * K * K, K, 0, K, K))
     for i_g in range(NG):
         row = (i_b.to(tl.int64) * NG + i_g) * Hv + i_h
-        # the last group reloads its own G: a branch here would keep the load out of the loop body's start
+        # the last group loads its own G again (one wasted load in NG): the loop body needs no branch
         nxt = (i_b.to(tl.int64) * NG + tl.minimum(i_g + 1, NG - 1)) * Hv + i_h
         b_next = tl.load(_mat_ptr(gbuf + nxt * K * K, K, 0, K, K))
         tl.store(_mat_ptr(hbuf + row * K * NS, NS, c0, K, BVC), b_p.to(hbuf.dtype.element_ty))

@@ -64,7 +64,7 @@ def triton_cdiv(a: int, b: int) -> int:
 # the augmented (K+V wide) backward pass already has twice the blocks, and the forward summary's value
 # programs share the SMs with its identity programs. Tuned on an H200 at T=16K.
 STATE_BV = {"state": 32, "p2p_summary": 64, "bwd_state": 32, "bwd_state_aug": 64}
-# the forward summary's identity-column block (one program per block, group of P2P_HSTRIDE chunks and head)
+# the forward summary's identity-column block (one program per block, group (``p2p_hstride``) and head)
 P2P_IDENTITY_BV = 64
 # the chain's column block of P (one program per block and head, sequential over the groups). H200,
 # 8 warps, next G prefetched: 32 took 0.063 / 0.159 ms at 16K / 64K, 64 0.064 / 0.186, 128 0.088 / 0.260
