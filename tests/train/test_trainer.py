@@ -19,8 +19,9 @@ from gdn_harness import TEXT, gdn_plan
 
 STEPS = 4
 # lr 1e-3, not 1e-2: at 1e-2 these 4 random-token steps are chaotic enough that the float64 runs'
-# difference (~1e-10 in step 1's gradient norm, see STEP_1_RTOL) grew past 1e-6 by step 3 in 1 CI run, and to 7.7e-7 in 1 of 40 seeds here; eps 1e-6 did not tame it.
-# At 1e-3, 60 seeds: worst 1.3e-8 over the 4 steps (scratch sweep of dp_shard 2 x cp 2 vs one process).
+# difference (~1e-10 in step 1's gradient norm, see STEP_1_RTOL) grew past 1e-6 by step 3 in 1 CI
+# run, and to 7.7e-7 in 1 of 40 seeds here; eps 1e-6 did not tame it. At 1e-3, 60 seeds: worst
+# 1.3e-8 over the 4 steps (scratch sweep of dp_shard 2 x cp 2 vs one process).
 LR = 1e-3
 # Step 1 (one forward and backward from the same weights) is exact but for the fp32 casts Qwen3.5's
 # GDN layer keeps in float64 runs: its gradient norm differed by 5e-11 (median) to 3.2e-10 (worst)

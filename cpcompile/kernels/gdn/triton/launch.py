@@ -13,6 +13,7 @@ import math
 import os
 
 import torch
+import triton
 from torch import Tensor
 
 from ....errors import CPInputError
@@ -117,11 +118,7 @@ def p2p_hstride(B: int, Hv: int, V: int, NT: int, dtype: torch.dtype, device: to
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     per_group = B * Hv * (V // _p2p_output_bv(V, dtype))
     groups = max(1, round(P2P_OUTPUT_PROGRAMS_PER_SM * sms / per_group))
-    return min(max(_next_power_of_2(triton_cdiv(NT, groups)), lo), hi)
-
-
-def _next_power_of_2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
+    return min(max(triton.next_power_of_2(triton_cdiv(NT, groups)), lo), hi)
 
 
 # ----------------------------------------------------------------------------- forward pieces
