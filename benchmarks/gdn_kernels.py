@@ -241,7 +241,7 @@ _DICT_KNOBS = {"ow": ("NUM_WARPS", "p2p_output"), "ost": ("NUM_STAGES", "p2p_out
                "sbv": ("STATE_BV", "p2p_summary"), "sw": ("NUM_WARPS", "p2p_summary"), "sst": ("NUM_STAGES", "p2p_summary"),
                "plain_ow": ("NUM_WARPS", "output"), "bbv": ("STATE_BV", "bwd_state_aug"),
                "bw": ("NUM_WARPS", "bwd_state_aug"), "bst": ("NUM_STAGES", "bwd_state_aug")}
-P2P_GRID = {"hs": [0, 16, 32, 64, 128, 256], "sbv": [32, 64], "sw": [4, 8], "sst": [3], "obv": [64, 128], "ow": [4, 8],
+P2P_GRID = {"hs": [0, 16, 32, 64, 128, 256], "sbv": [32, 64], "sw": [4, 8], "sst": [3, 4], "obv": [64, 128], "ow": [4, 8],
             "ost": [1], "plain_obv": [64, 128], "plain_ow": [4], "bbv": [64], "bw": [4], "bst": [3]}
 
 

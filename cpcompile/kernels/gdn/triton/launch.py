@@ -27,12 +27,14 @@ from . import kernels as _k
 # (0.234 ms, 2: 0.307, 8: 0.431; results/gdn_kernels_2026-12-01_NVIDIA-H200_output-warps.md). The augmented
 # backward pass, since it keeps nothing per chunk, 4 (State-P2P's backward summary 0.758 / 2.911 ms at
 # 16K / 64K, 8: 0.837 / 3.250; `--p2p-variants`, results/gdn_p2p_segments_2026-12-01_NVIDIA-H200.md). The
-# forward summary 4 warps / 3 stages / value block 64 (0.438 ms at 16K; 8 warps 0.540, value block 32
-# 0.472; results/gdn_p2p_split_summary_2026-12-01_NVIDIA-H200.md); its chain keeps a K x K fp32 tile,
-# so one stage.
+# forward summary 4 warps / value block 64 (0.438 ms at 16K; 8 warps 0.540, value block 32 0.472;
+# results/gdn_p2p_split_summary_2026-12-01_NVIDIA-H200.md) / 4 stages: with the per-call group length
+# (4 groups) 0.333 against 0.388 ms at 3 stages at 16K, 1.127 against 1.334 at 64K; 5 stages and an
+# identity block of 128 were slower, 6 stages overflow the shared memory
+# (results/gdn_p2p_summary_stages_2026-12-01_NVIDIA-H200.md). Its chain keeps a K x K fp32 tile, so one stage.
 NUM_WARPS = {"prepare": 4, "state": 4, "p2p_summary": 4, "p2p_chain": 8, "output": 4, "p2p_output": 4,
              "dv_local": 2, "bwd_state": 4, "bwd_state_aug": 4, "inter": 8, "bwd_wy": 4}
-NUM_STAGES = {"state": 3, "p2p_summary": 3, "p2p_chain": 1, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3,
+NUM_STAGES = {"state": 3, "p2p_summary": 4, "p2p_chain": 1, "bwd_state": 3, "bwd_state_aug": 3, "inter": 3,
               "p2p_output": 1}
 
 def _stages(name: str, dtype: torch.dtype) -> int:
