@@ -28,6 +28,7 @@ Triton >= 3.7.1 fla-core runs that backward by itself
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import math
 import os
@@ -283,11 +284,23 @@ def _configs(grid, keys):
     return [dict(zip(keys, vals)) for vals in itertools.product(*(grid[k] for k in keys))]
 
 
+@contextlib.contextmanager
+def _exact_stages(L):
+    """Sweeps time the pipeline depth they name: a depth this GPU cannot build fails instead of
+    running at a shallower one (``launch.FIT_STAGES``)."""
+    old, L.FIT_STAGES = L.FIT_STAGES, False
+    try:
+        yield
+    finally:
+        L.FIT_STAGES = old
+
+
 def _timed(L, cfg, fn, warmup, repeat):
     """Median ms of ``fn`` under the launch tunables ``cfg`` (restored after) -> (ms, None) or (inf, error)."""
     old = _set(L, **cfg)
     try:
-        return time_cuda(fn, warmup, repeat), None
+        with _exact_stages(L):
+            return time_cuda(fn, warmup, repeat), None
     except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory on this GPU)
         return float("inf"), f"failed {exc!r:.80}"
     finally:
@@ -606,7 +619,8 @@ def tune(T, warmup, repeat, dims=None, device="cuda", warps=TUNE_WARPS, stage_gr
             if bv is not None:
                 L.STATE_BV[key] = bv
             try:
-                timings[(nw, st, bv)] = time_cuda(fn, warmup, repeat)
+                with _exact_stages(L):
+                    timings[(nw, st, bv)] = time_cuda(fn, warmup, repeat)
             except Exception as exc:  # noqa: BLE001  (a setting can exceed shared memory)
                 print(f"  tune {key} warps={nw} stages={st} bv={bv} failed: {type(exc).__name__}", flush=True)
         best = min(timings, key=timings.get)

@@ -25,6 +25,7 @@ from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step  # noqa: E
 from cpcompile.kernels.gdn.triton import GDNCapabilityError  # noqa: E402
 from cpcompile.kernels.gdn.triton import capability as cap  # noqa: E402
 from cpcompile.kernels.gdn.triton import ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
+from triton.runtime.errors import OutOfResources  # noqa: E402
 import gdn_p2p_ops  # noqa: E402,F401  (registers the test-only torch.ops.cpcompile_test.gdn_p2p_*)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -217,6 +218,53 @@ def test_p2p_hstride_fills_one_output_wave(monkeypatch):
     assert pick(1, 32, 1024) == 2
 
 
+class _DeepKernel:
+    """Stands in for a Triton kernel whose build needs more shared memory than the GPU has above
+    ``fits`` pipeline stages; records the depths it was launched at."""
+
+    def __init__(self, fits, resource="shared memory"):
+        def fake_gdn_kernel():
+            pass
+        self.fn, self.fits, self.resource, self.tried = fake_gdn_kernel, fits, resource, []
+
+    def __getitem__(self, grid):
+        def run(*args, num_stages, **options):
+            self.tried.append(num_stages)
+            if num_stages > self.fits:
+                raise OutOfResources(40000 * num_stages, 40000 * self.fits, self.resource)
+        return run
+
+
+def test_launch_steps_down_to_fit_shared_memory(monkeypatch):
+    """A pipeline deeper than the GPU's shared memory allows runs at the deepest that fits: one warning
+    naming the kernel and both depths, then straight to that depth; none fits: the capability error."""
+    import warnings
+
+    from cpcompile.kernels.gdn.triton import launch
+
+    monkeypatch.setattr(launch, "_FITTED_STAGES", {})
+    kernel = _DeepKernel(fits=2)
+    with pytest.warns(RuntimeWarning, match="fake_gdn_kernel .* tuned 4 pipeline stages; running it at 2"):
+        launch._launch(kernel, (1,), "arg", num_stages=4, num_warps=4, BV=64)
+    assert kernel.tried == [4, 3, 2]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        launch._launch(kernel, (1,), "arg", num_stages=4, num_warps=4, BV=64)
+    assert kernel.tried == [4, 3, 2, 2]
+    with pytest.warns(RuntimeWarning, match="tuned 3 pipeline stages"):  # Triton's default depth steps down too
+        launch._launch(kernel, (1,), "arg", num_warps=4, BV=64)
+    assert kernel.tried[-2:] == [3, 2]
+    with pytest.raises(GDNCapabilityError, match="unsupported shared memory: fake_gdn_kernel needs 40000 at 1"):
+        launch._launch(_DeepKernel(fits=0), (1,), num_stages=3, num_warps=4)
+    monkeypatch.setattr(launch, "FIT_STAGES", False)  # a tuning sweep: the named depth or an error
+    with pytest.raises(GDNCapabilityError, match="needs 160000 at 4"):
+        launch._launch(_DeepKernel(fits=2), (1,), num_stages=4, num_warps=8)
+    registers = _DeepKernel(fits=0, resource="registers")
+    with pytest.raises(GDNCapabilityError, match="unsupported registers: fake_gdn_kernel needs 120000 at 3"):
+        launch._launch(registers, (1,), num_stages=3, num_warps=4)
+    assert registers.tried == [3]  # fewer stages do not save registers
+
+
 @cpu_only
 def test_prepare_without_tinv_gives_the_same_w_u():
     """A forward whose backward recomputes prepare skips tinv's store and nothing else."""
@@ -399,6 +447,23 @@ def test_gpu_fwd_bwd_fp32():
 def test_gpu_p2p_long(T):
     cuts = [0, T // 4 + 17, T // 2, T]
     _check_p2p(1, T, 2, 4, 128, 128, torch.bfloat16, cuts, seed=T + 1, tol=3e-2)
+
+
+@gpu
+@needs_cuda
+def test_gpu_overdeep_pipeline_steps_down(monkeypatch):
+    """A summary pass asked for 8 stages (an H200 fits 5 at K = V = 128) warns, runs at a depth that
+    fits and gives what the tuned depth gives, bit for bit."""
+    from cpcompile.kernels.gdn.triton import launch
+
+    _, k, v, g, beta, _ = _inputs(1, 4096 + 37, 2, 4, 128, 128, torch.bfloat16, seed=11)
+    tuned = launch.p2p_fwd_summary(k, v, g, beta)
+    monkeypatch.setattr(launch, "_FITTED_STAGES", {})
+    monkeypatch.setitem(launch.NUM_STAGES, "p2p_summary", 8)
+    with pytest.warns(RuntimeWarning, match="gdn_p2p_summary_kernel .* tuned 8 pipeline stages; running it at"):
+        deep = launch.p2p_fwd_summary(k, v, g, beta)
+    for a, b in zip([*tuned[:2], tuned[2][4]], [*deep[:2], deep[2][4]]):  # M, S, the stored [P | h0]
+        assert torch.equal(a, b)
 
 
 @gpu

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 
 import torch
 import triton
 from torch import Tensor
+from triton.runtime.errors import OutOfResources
 
-from ....errors import CPInputError
+from ....errors import CPInputError, GDNCapabilityError
 from ..common import CHUNK_SIZE, L2NORM_EPS
 from . import kernels as _k
 
@@ -41,6 +43,38 @@ def _stages(name: str, dtype: torch.dtype) -> int:
     """Software-pipelining depth of a kernel's loop. fp32 tiles overflow Hopper's 227 KiB of shared
     memory when multi-buffered."""
     return 1 if dtype == torch.float32 else NUM_STAGES[name]
+
+
+# (kernel, device, tuned stages, launch options) -> the deepest pipeline that fit that GPU's shared memory
+_FITTED_STAGES: dict[tuple, int] = {}
+# False: a depth that does not fit raises instead (a tuning sweep must time the depth it names)
+FIT_STAGES = True
+
+
+def _launch(kernel, grid, *args, **options) -> None:
+    """``kernel[grid](*args, **options)`` at its tuned pipeline depth (``num_stages``, default Triton's
+    3), or at the deepest that fits this GPU's shared memory. The depths are tuned on an H200 (227 KiB
+    per SM); a GPU with less (an A100 has 163 KiB) could not build some of them. Stages only schedule
+    the loop's loads, so every depth computes the same result: a step down warns once, as it is
+    slower than tuned. A kernel that does not fit even unpipelined raises ``GDNCapabilityError``."""
+    tuned = options.pop("num_stages", 3)
+    device = torch.cuda.current_device() if not _interpret() and torch.cuda.is_available() else -1
+    key = (kernel.fn.__name__, device, tuned, tuple(options.items()))
+    stages = _FITTED_STAGES.get(key, tuned)
+    while True:
+        try:
+            kernel[grid](*args, num_stages=stages, **options)
+            break
+        except OutOfResources as exc:
+            if exc.name != "shared memory" or stages == 1 or not FIT_STAGES:
+                raise GDNCapabilityError(exc.name, f"{kernel.fn.__name__} needs {exc.required} at {stages} "
+                                         f"pipeline stage(s); this GPU has {exc.limit}") from exc
+            stages -= 1
+    if key not in _FITTED_STAGES and stages != tuned:
+        warnings.warn(f"GDN triton: {kernel.fn.__name__} does not fit this GPU's shared memory at its tuned "
+                      f"{tuned} pipeline stages; running it at {stages} (same results, slower than tuned)",
+                      RuntimeWarning, stacklevel=3)
+    _FITTED_STAGES[key] = stages
 
 
 def _interpret() -> bool:
@@ -137,7 +171,7 @@ def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, store_tinv: bool 
     u = torch.empty(B, T, Hv, V, device=k.device, dtype=k.dtype)
     tinv = torch.empty(B, T, Hv, CHUNK_SIZE, device=k.device, dtype=torch.float32) if store_tinv else None
     # without tinv the kernel gets gc as its tinv pointer, which STORE_TINV=False never writes
-    _k.gdn_fwd_prepare_kernel[(NT, B * Hv)](
+    _launch(_k.gdn_fwd_prepare_kernel, (NT, B * Hv),
         k, v, g, beta, gc, w, u, tinv if store_tinv else gc, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE,
         LOG2_BT=int(math.log2(CHUNK_SIZE)), STORE_TINV=store_tinv, num_warps=NUM_WARPS["prepare"], **_flags(k.dtype))
     return gc, w, u, tinv
@@ -154,7 +188,7 @@ def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, st
     hbuf = torch.empty(B, NT, Hv, K, V, device=k.device, dtype=k.dtype)
     vnbuf = torch.empty(B, T, Hv, V, device=k.device, dtype=k.dtype) if store_vn else None
     ht = torch.empty(B, Hv, K, V, device=k.device, dtype=torch.float32)
-    _k.gdn_fwd_state_kernel[(V // BV, B * Hv)](
+    _launch(_k.gdn_fwd_state_kernel, (V // BV, B * Hv),
         k, w, u, gc, h0 if h0 is not None else ht, hbuf, vnbuf if store_vn else hbuf, ht, T, NT,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, STORE_VN=store_vn, USE_H0=h0 is not None,
         num_warps=NUM_WARPS["state"], num_stages=_stages("state", k.dtype), **_flags(k.dtype))
@@ -174,7 +208,7 @@ def p2p_summary_pass(k: Tensor, w: Tensor, u: Tensor, gc: Tensor):
     ht = torch.empty(B, Hv, K, K + V, device=k.device, dtype=torch.float32)
     gbuf = torch.empty(B, NG, Hv, K, K, device=k.device, dtype=torch.float32)
     programs = B * Hv * (V // BV + NG * (K // BVI))
-    _k.gdn_p2p_summary_kernel[(programs,)](
+    _launch(_k.gdn_p2p_summary_kernel, (programs,),
         k, w, u, gc, hbuf, ht, gbuf, T, NT, B * Hv, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, BVI=BVI, HS=HS,
         num_warps=NUM_WARPS["p2p_summary"], num_stages=_stages("p2p_summary", k.dtype), **_flags(k.dtype))
     return hbuf, ht, gbuf
@@ -185,7 +219,7 @@ def p2p_chain(gbuf: Tensor, hbuf: Tensor, ht: Tensor) -> None:
     ``ht[..., :K]`` with ``M`` (``gdn_p2p_chain_kernel``), in place."""
     B, NG, Hv, K, _ = gbuf.shape
     BVC = min(P2P_CHAIN_BV, K)
-    _k.gdn_p2p_chain_kernel[(K // BVC, B * Hv)](
+    _launch(_k.gdn_p2p_chain_kernel, (K // BVC, B * Hv),
         gbuf, hbuf, ht, NG, Hv=Hv, K=K, V=hbuf.shape[-1] - K, BVC=BVC,
         num_warps=NUM_WARPS["p2p_chain"], num_stages=NUM_STAGES["p2p_chain"], **_flags(hbuf.dtype))
 
@@ -196,7 +230,7 @@ def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, sc
     Hv, V = gc.shape[2], vnbuf.shape[-1]
     NT, BV = triton_cdiv(T, CHUNK_SIZE), _output_bv(V)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
-    _k.gdn_fwd_output_kernel[(V // BV, NT, B * Hv)](
+    _launch(_k.gdn_fwd_output_kernel, (V // BV, NT, B * Hv),
         q, k, gc, hbuf, vnbuf, o, scale, T, NT,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, num_warps=NUM_WARPS["output"], **_flags(q.dtype))
     return o
@@ -215,7 +249,7 @@ def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Ten
                          f"the output's stride is {HS} chunks: summary and output must run with the same setting")
     BV = _p2p_output_bv(V, q.dtype)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
-    _k.gdn_p2p_output_kernel[(V // BV, triton_cdiv(NT, HS), B * Hv)](
+    _launch(_k.gdn_p2p_output_kernel, (V // BV, triton_cdiv(NT, HS), B * Hv),
         q, k, w, u, gc, hbuf, h_in, o, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, HS=HS, BT=CHUNK_SIZE, BV=BV,
         num_warps=NUM_WARPS["p2p_output"], num_stages=_stages("p2p_output", q.dtype), **_flags(q.dtype))
     return o
@@ -238,7 +272,7 @@ def bwd_dv_local(q, k, gc, do, scale):
     B, T, Hk, K = q.shape
     Hv, V = do.shape[2], do.shape[3]
     dvl = torch.empty(B, T, Hv, V, device=q.device, dtype=torch.float32)
-    _k.gdn_bwd_dv_local_kernel[(triton_cdiv(T, CHUNK_SIZE), B * Hv)](
+    _launch(_k.gdn_bwd_dv_local_kernel, (triton_cdiv(T, CHUNK_SIZE), B * Hv),
         q, k, gc, do, dvl, scale, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE,
         num_warps=NUM_WARPS["dv_local"], **_flags(q.dtype))
     return dvl
@@ -256,7 +290,7 @@ def bwd_state(q, k, w, gc, do, dvl, dht, scale, ny: int = 0, store: bool = True)
     dh0 = torch.empty(B, Hv, K, NS, device=q.device, dtype=torch.float32)
     dhbuf = torch.empty(B, NT, Hv, K, NS, device=q.device, dtype=q.dtype) if store else None
     dvnbuf = torch.empty(B, T, Hv, NS, device=q.device, dtype=q.dtype) if store else None
-    _k.gdn_bwd_state_kernel[(NS // BV, B * Hv)](
+    _launch(_k.gdn_bwd_state_kernel, (NS // BV, B * Hv),
         q, k, w, gc, do, dvl, dht if dht is not None else dh0, dhbuf if store else dh0, dvnbuf if store else dh0,
         dh0, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, NX=ny, BT=CHUNK_SIZE, BV=BV, USE_DHT=dht is not None, STORE=store,
         num_warps=NUM_WARPS[key], num_stages=_stages(key, q.dtype), **_flags(q.dtype))
@@ -276,7 +310,7 @@ def bwd_inter(q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, scale):
     dk = torch.empty(B, T, Hv, K, device=q.device, dtype=torch.float32)
     dw = torch.empty(B, T, Hv, K, device=q.device, dtype=q.dtype)  # read only as a dot operand
     dgc = torch.empty(B, T, Hv, device=q.device, dtype=torch.float32)
-    _k.gdn_bwd_inter_kernel[(NT, B * Hv)](
+    _launch(_k.gdn_bwd_inter_kernel, (NT, B * Hv),
         q, k, w, u, gc, do, hbuf, dhbuf, dvnbuf, dq, dk, dw, dgc, scale, T, NT,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV,
         num_warps=NUM_WARPS["inter"], num_stages=_stages("inter", q.dtype), **_flags(q.dtype))
@@ -298,14 +332,14 @@ def bwd_prepare(q, k, v, beta, gc, tinv, dw, du, dqv, dkv, dgc, qk_grad_dtype=No
     dv = torch.empty(B, T, Hv, V, device=k.device, dtype=v.dtype)
     dbeta = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
     dg = torch.empty(B, T, Hv, device=k.device, dtype=torch.float32)
-    _k.gdn_bwd_wy_kernel[(NT, B * Hv)](
+    _launch(_k.gdn_bwd_wy_kernel, (NT, B * Hv),
         k, v, beta, gc, tinv, dw, du, dkv, dgc, dv, dbeta, dg, T,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BC=min(WY_BC, K, V), num_warps=NUM_WARPS["bwd_wy"], **_flags(k.dtype))
     out = dict(device=k.device, dtype=qk_grad_dtype or q.dtype)
     dq, dk = torch.empty(B, T, Hk, K, **out), torch.empty(B, T, Hk, K, **out)
     q_rstd, k_rstd = rstd if rstd is not None else (dbeta, dbeta)
     N = B * T * Hk
-    _k.gdn_bwd_qk_finish_kernel[(triton_cdiv(N, QK_FINISH_ROWS),)](
+    _launch(_k.gdn_bwd_qk_finish_kernel, (triton_cdiv(N, QK_FINISH_ROWS),),
         q, k, dqv, dkv, q_rstd, k_rstd, dq, dk, N, Hk=Hk, Hv=Hv, K=K, BR=QK_FINISH_ROWS, L2NORM=rstd is not None,
         num_warps=4)
     return dq, dk, dv, dbeta, dg
@@ -402,5 +436,6 @@ def l2norm_fwd(x: Tensor, eps: float = L2NORM_EPS):
     N = x.numel() // D
     y = torch.empty_like(x)
     rstd = torch.empty(x.shape[:-1], device=x.device, dtype=torch.float32)
-    _k.gdn_l2norm_fwd_kernel[(triton_cdiv(N, L2NORM_ROWS),)](x, y, rstd, N, eps, D=D, BR=L2NORM_ROWS, num_warps=4)
+    _launch(_k.gdn_l2norm_fwd_kernel, (triton_cdiv(N, L2NORM_ROWS),), x, y, rstd, N, eps, D=D, BR=L2NORM_ROWS,
+            num_warps=4)
     return y, rstd
