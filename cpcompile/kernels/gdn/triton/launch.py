@@ -45,7 +45,8 @@ def _stages(name: str, dtype: torch.dtype) -> int:
     return 1 if dtype == torch.float32 else NUM_STAGES[name]
 
 
-# (kernel, device, tuned stages, launch options) -> the deepest pipeline that fit that GPU's shared memory
+# (kernel, device, tuned stages, launch options) -> the deepest pipeline that fit that GPU's shared memory,
+# only for launches that had to step down (empty on the GPU the depths were tuned on)
 _FITTED_STAGES: dict[tuple, int] = {}
 # False: a depth that does not fit raises instead (a tuning sweep must time the depth it names)
 FIT_STAGES = True
@@ -57,10 +58,11 @@ def _launch(kernel, grid, *args, **options) -> None:
     per SM); a GPU with less (an A100 has 163 KiB) could not build some of them. Stages only schedule
     the loop's loads, so every depth computes the same result: a step down warns once, as it is
     slower than tuned. A kernel that does not fit even unpipelined raises ``GDNCapabilityError``."""
-    tuned = options.pop("num_stages", 3)
-    device = torch.cuda.current_device() if not _interpret() and torch.cuda.is_available() else -1
-    key = (kernel.fn.__name__, device, tuned, tuple(options.items()))
-    stages = _FITTED_STAGES.get(key, tuned)
+    tuned = stages = options.pop("num_stages", 3)
+    key = None
+    if _FITTED_STAGES:  # the hot path builds no key until some launch has stepped down
+        key = _fit_key(kernel, tuned, options)
+        stages = _FITTED_STAGES.get(key, tuned)
     while True:
         try:
             kernel[grid](*args, num_stages=stages, **options)
@@ -70,11 +72,20 @@ def _launch(kernel, grid, *args, **options) -> None:
                 raise GDNCapabilityError(exc.name, f"{kernel.fn.__name__} needs {exc.required} at {stages} "
                                          f"pipeline stage(s); this GPU has {exc.limit}") from exc
             stages -= 1
-    if key not in _FITTED_STAGES and stages != tuned:
+    if stages == tuned:
+        return
+    key = key or _fit_key(kernel, tuned, options)
+    if key not in _FITTED_STAGES:
         warnings.warn(f"GDN triton: {kernel.fn.__name__} does not fit this GPU's shared memory at its tuned "
                       f"{tuned} pipeline stages; running it at {stages} (same results, slower than tuned)",
                       RuntimeWarning, stacklevel=3)
-    _FITTED_STAGES[key] = stages
+        _FITTED_STAGES[key] = stages
+
+
+def _fit_key(kernel, tuned: int, options: dict) -> tuple:
+    """A launch's identity for ``_FITTED_STAGES``: its shared memory depends on all of these."""
+    device = torch.cuda.current_device() if not _interpret() and torch.cuda.is_available() else -1
+    return (kernel.fn.__name__, device, tuned, tuple(options.items()))
 
 
 def _interpret() -> bool:
