@@ -9,7 +9,6 @@ All tensors are contiguous ``[B, T, H, D]`` token tensors, fp32 states ``[B, Hv,
 
 from __future__ import annotations
 
-import math
 import os
 import warnings
 
@@ -118,6 +117,9 @@ P2P_IDENTITY_BV = 64
 # 8 warps, next G prefetched: 32 took 0.063 / 0.159 ms at 16K / 64K, 64 0.064 / 0.186, 128 0.088 / 0.260
 # (results/gdn_p2p_output_variants_2026-12-01_NVIDIA-H200.md)
 P2P_CHAIN_BV = 32
+# rows of the diagonal blocks that prepare's chunk inverse inverts by forward substitution (on the CUDA
+# cores, BS - 1 steps) before its blocked steps (tensor-core dots, CHUNK_SIZE / BS - 1 of them)
+INVERSE_BLOCK = 16
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
 # State-P2P: chunks per stored summary state (= per group of the summary's identity programs; the
@@ -184,7 +186,7 @@ def fwd_prepare(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, store_tinv: bool 
     # without tinv the kernel gets gc as its tinv pointer, which STORE_TINV=False never writes
     _launch(_k.gdn_fwd_prepare_kernel, (NT, B * Hv),
         k, v, g, beta, gc, w, u, tinv if store_tinv else gc, T, Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE,
-        LOG2_BT=int(math.log2(CHUNK_SIZE)), STORE_TINV=store_tinv, num_warps=NUM_WARPS["prepare"], **_flags(k.dtype))
+        BS=INVERSE_BLOCK, STORE_TINV=store_tinv, num_warps=NUM_WARPS["prepare"], **_flags(k.dtype))
     return gc, w, u, tinv
 
 
