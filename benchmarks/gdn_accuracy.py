@@ -1,7 +1,16 @@
 """Where the Triton GDN kernels lose accuracy in bf16: gradients against a float64 oracle, per variant.
 
     python3 benchmarks/gdn_accuracy.py [--T 4096] [--seeds 1 2] [--out FILE]
-    TRITON_INTERPRET=1 python benchmarks/gdn_accuracy.py --smoke   # CPU, tiny shape, no accuracy claim
+    python3 benchmarks/gdn_accuracy.py --stress [--out FILE]   # every stress regime, ours against fla-core
+    TRITON_INTERPRET=1 python benchmarks/gdn_accuracy.py --smoke [--stress]   # CPU, tiny shape, no accuracy claim
+
+``--stress``: every regime of ``cpcompile.kernels.gdn.stress`` (key cosine x gate scale) in three
+layouts (100 and 1000 tokens with grouped heads and an initial state, packed documents),
+cpcompile's Triton core and fla-core in fp32 and bf16, and the eager fp32 core, each against a
+float64 oracle (on the GPU the eager chunk form in float64, equal to the recurrence to float64
+rounding; the recurrence's tiny steps are too slow there): the output, the final state and all six
+gradients. Written to
+``results/gdn_stability_<date>_<device>.md``.
 
 Same bf16 inputs for every variant (Qwen3.5 shapes: B=1, 16 key / 32 value heads, K=V=128, fp32 g,
 q/k L2-normalised in the op); each line is the relative L2 error of o and of every input gradient
@@ -96,6 +105,123 @@ def fla(xs, do):
     return [o.detach()] + [x.grad for x in leaves]
 
 
+def fla_stress_core(layout):
+    """fla-core's chunk_gated_delta_rule as a ``cpcompile.kernels.gdn.stress`` core (ImportError
+    without fla-core)."""
+    import fla.ops.common.chunk_o as fla_chunk_o
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    from cpcompile.kernels.gdn.stress import cu_seqlens
+
+    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # compared only, see gdn_kernels.py
+    if os.environ.get("FLA_ONE_CONFIG") == "1":
+        one_config_per_fla_kernel()
+
+    def core(q, k, v, g, beta, h0):
+        docs = layout.documents
+        return chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=docs is None,
+                                      use_qk_l2norm_in_kernel=True,
+                                      cu_seqlens=None if docs is None else cu_seqlens(docs, q.device))
+    return core
+
+
+def one_config_per_fla_kernel() -> None:
+    """Each autotuned fla-core kernel keeps only its shallowest config, so nothing is tuned (a tuning
+    round compiles every config, minutes per dtype and layout on the device's clock). Configs
+    choose speed, not results: for accuracy only, never for timing (``FLA_ONE_CONFIG=1``)."""
+    from triton.runtime.autotuner import Autotuner
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("fla."):
+            continue
+        for obj in vars(module).values():
+            while obj is not None and not isinstance(obj, Autotuner):  # under @triton.heuristics
+                obj = getattr(obj, "fn", None)
+            if obj is not None and len(obj.configs) > 1:
+                obj.configs = [min(obj.configs, key=lambda c: (c.num_stages or 0, abs((c.num_warps or 4) - 4)))]
+
+
+def stress_layouts(smoke: bool):
+    from cpcompile.kernels.gdn.stress import Layout
+
+    if smoke:
+        return {"one chunk": Layout(1, 64, 1, 2, 16, 16)}
+    return {  # one chunk is in the CPU interpreter's set (tests/kernels/test_gdn_stress.py)
+        "T=100, h0": Layout(1, 100, 2, 4, 128, 128, initial_state=True),
+        "T=1000, h0": Layout(1, 1000, 2, 4, 128, 128, initial_state=True),
+        "cu_seqlens (300, 517, 207)": Layout(1, 1024, 2, 4, 128, 128, documents=(300, 517, 207)),
+    }
+
+
+def stress(args):
+    """One row per layout and regime: the worst relative error over o, the final state and every
+    gradient, for each core and dtype, and which quantity it was."""
+    from cpcompile.kernels.gdn.stress import REGIMES, Regime, cpcompile_core, relative_errors, run_core, stress_case
+
+    regimes = (Regime(0.75, 0.0), Regime(0.0, 1.0)) if args.smoke else REGIMES
+    device = "cpu" if args.smoke else "cuda"
+    cores = {"eager fp32": ("eager", torch.float32)}
+    for dtype in (torch.float32, torch.bfloat16):
+        name = "fp32" if dtype == torch.float32 else "bf16"
+        cores[f"ours {name}"] = ("triton", dtype)
+        if not args.smoke:
+            cores[f"fla-core {name}"] = ("fla", dtype)
+    header = ["layout", "regime"] + list(cores) + ["ours <= fla-core (fp32 / bf16)"]
+    lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
+    nan_rows, worse = 0, []
+    for lname, layout in stress_layouts(args.smoke).items():
+        for i, regime in enumerate(regimes):
+            case = stress_case(regime, layout, seed=100 + i, reference_device=device,
+                               reference="recurrence" if args.smoke else "chunked")
+            errs = {}
+            for cname, (backend, dtype) in cores.items():
+                core = fla_stress_core(layout) if backend == "fla" else cpcompile_core(backend, layout)
+                errs[cname] = relative_errors(run_core(core, case, dtype, device), case)
+            cells = [_worst(e) for e in errs.values()]
+            verdicts = []
+            for name in ("fp32", "bf16"):
+                ours, fla = errs[f"ours {name}"], errs.get(f"fla-core {name}")
+                over = [q for q in ours if fla is None or not ours[q] <= fla[q]]
+                verdicts.append("n/a" if fla is None else ("yes" if not over else "no: " + ", ".join(over)))
+                if fla is not None and over:
+                    worse.append(f"{lname} {regime} {name}: " + ", ".join(
+                        f"{q} {ours[q]:.1e} vs {fla[q]:.1e}" for q in over))
+            nan_rows += any(v != v for e in errs.values() for v in e.values())
+            lines.append(f"| {lname} | {regime} | " + " | ".join(cells) + " | " + " / ".join(verdicts) + " |")
+            print(lines[-1], flush=True)
+    return lines, nan_rows, worse if not args.smoke else None
+
+
+def _worst(errors):
+    name = max(errors, key=lambda n: (errors[n] != errors[n], errors[n]))  # NaN first
+    return f"{errors[name]:.1e} ({name})"
+
+
+def main_stress(args):
+    lines, nan_rows, worse = stress(args)
+    env = (f"torch {torch.__version__}, device {torch.cuda.get_device_name() if not args.smoke else 'cpu'}"
+           + (", fla-core 0.6.0 at one config per kernel (FLA_ONE_CONFIG=1: not tuned)"
+              if os.environ.get("FLA_ONE_CONFIG") == "1" else ""))
+    head = ["# GDN core stability: correlated keys, weak decay", "", f"Environment: {env}. Command: "
+            "`python3 benchmarks/gdn_accuracy.py --stress`.", "",
+            "Each cell: the worst relative L2 error against the float64 oracle (the eager chunk form in float64 on "
+            "the GPU, the token-by-token recurrence with --smoke) over the output, "
+            "the final state (not with packed documents) and the gradients of q, k, v, g, beta and the initial "
+            "state (with h0), and which one it was. q/k L2-normalised in the op; g and the states fp32. "
+            "Regimes: key cosine (0 randn, 0.75 uniform entries) x gate scale (g = scale * logsigmoid(randn)). "
+            "Shapes: B=1, 2 key / 4 value heads, K=V=128 (smoke: 1 / 2 heads, 16).",
+            "", f"Rows with a NaN or Inf anywhere: {nan_rows}.", ""]
+    if worse is None:
+        tail = ["", "fla-core not run."]
+    else:
+        tail = ["", "Quantities where ours exceeds fla-core's error:" if worse else "Ours is at most fla-core's "
+                "error in every quantity of every row."] + [f"- {w}" for w in worse]
+    if args.smoke:
+        print("\n".join(head + lines + tail))
+        return
+    write_report(head + lines + tail, args.out, "gdn_stability", torch.cuda.get_device_name())
+
+
 def variants(has_fla):
     def tf32x3(xs, do):
         with dot_precision("tf32x3"):
@@ -124,7 +250,10 @@ def main():
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--out", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape: checks the script runs")
+    ap.add_argument("--stress", action="store_true", help="every stress regime, ours against fla-core")
     args = ap.parse_args()
+    if args.stress:
+        return main_stress(args)
     device = "cpu" if args.smoke else "cuda"
     dims = (1, 1, 2, 32, 32) if args.smoke else None
     T = 128 if args.smoke else args.T

@@ -70,3 +70,13 @@ def test_gdn_accuracy_smoke():
     rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in out.splitlines() if r.startswith("| ")}
     assert {"kernels as shipped (API)", "fp32 kernels on the same (bf16-valued) inputs"} <= set(rows), out[-2000:]
     assert max(float(x) for x in rows["fp32 kernels on the same (bf16-valued) inputs"]) < 1e-5
+
+
+def test_gdn_stress_accuracy_smoke():
+    """`--stress` runs its regimes, with no NaN, and the fp32 Triton core is at fp32 rounding."""
+    out = _interpreted("gdn_accuracy.py", "--smoke", "--stress")
+    assert "Rows with a NaN or Inf anywhere: 0." in out, out[-2000:]
+    rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| one chunk")]
+    assert len(rows) == 4  # each row printed as it is measured, then in the table
+    for row in rows:
+        assert float(row[3].split()[0]) < 1e-5, row  # "ours fp32"
