@@ -9,7 +9,7 @@
 from .batch import shard_batch, unshard
 from .errors import (
     AlreadyCompiledError, CoverageError, CPCompileError, CPConfigError, CPInputError, GDNCapabilityError,
-    MissingDependencyError, PlanError, UnsupportedError, UnsupportedMaskError, VerificationError,
+    MissingDependencyError, NonFiniteError, PlanError, UnsupportedError, UnsupportedMaskError, VerificationError,
 )
 from .loss import all_reduce_gradients, global_mean_loss
 from .mesh import CPMesh, build_mesh, release_process_group
@@ -21,7 +21,7 @@ from .plan import AcceleratorConfig, Override, Plan, load_plan
 
 __all__ = [
     "AcceleratorConfig", "AlreadyCompiledError", "CPCompileError", "CPConfigError", "CPInputError", "CPMesh",
-    "CPMethod", "CoverageError", "GDNCapabilityError", "MissingDependencyError", "Override", "Plan", "PlanError",
+    "CPMethod", "CoverageError", "GDNCapabilityError", "MissingDependencyError", "NonFiniteError", "Override", "Plan", "PlanError",
     "UnsupportedError", "UnsupportedMaskError", "VerificationError", "all_reduce_gradients", "allow_wrapper_module",
     "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "local_compute_fn", "primitives",
     "register_inner_wrapper", "release_process_group",

@@ -15,6 +15,7 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
 | `VerificationError` | RuntimeError | a CP run differs from its reference beyond its tolerance (`train` with `verify: true`) |
 | `MissingDependencyError` | ImportError | a package a feature needs is not installed; the message names the pip extra |
+| `NonFiniteError` | FloatingPointError | with `CPCOMPILE_CHECK_FINITE=1`, a region computed NaN or Inf (`finite.py`) |
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a
 wrong argument type stays `TypeError`.
@@ -115,3 +116,8 @@ class VerificationError(CPCompileError, RuntimeError):
 
 class MissingDependencyError(CPCompileError, ImportError):
     """A package a feature needs is not installed; the message names the extra that brings it."""
+
+
+class NonFiniteError(CPCompileError, FloatingPointError):
+    """With ``CPCOMPILE_CHECK_FINITE=1``, a CP region's output or input gradient holds NaN or Inf;
+    the message names the region and the step."""

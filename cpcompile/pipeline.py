@@ -18,6 +18,7 @@ from .context import DeclaredAttention, PassContext
 from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
+from .finite import FiniteGuard, check_finite_enabled
 from .methods import method_spec, region_for
 from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
@@ -262,6 +263,7 @@ class InstalledRegion:
         # shared signatures the cp group agreed on; never dropped, unlike graphs: whether a call
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
+        self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
         self._build(*self._prepare(args, kwargs))
 
     def install(self) -> None:
@@ -295,6 +297,8 @@ class InstalledRegion:
                 program = self._build(args, kwargs)
         else:
             self.programs.move_to_end(key)  # least recently used goes first
+        if check_finite_enabled():
+            return self.finite_guard.around(leaves, program)
         return program(leaves)
 
     def _agree_on(self, args: tuple, kwargs: dict) -> None:
