@@ -62,6 +62,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         raise CPConfigError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
     overrides = plan.active_overrides()
     if not overrides:
+        refuse_empty_plan(plan)
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
         return model
     reject_unsupported_combinations(plan, overrides)
@@ -135,6 +136,18 @@ def schedule_async_backward(mesh, overrides: list[Override]) -> None:
                 groups.update(g.group_name for g in mesh.cp_subgroups(degree))
     if groups:
         enable_for_groups(groups)
+
+
+def refuse_empty_plan(plan) -> None:
+    """A plan with no override at CP>1 would leave every attention unrewritten: a rank fed its
+    slice would attend only within it, silently wrong. At cp_size 1 the `when: cp` overrides are
+    inactive on purpose (the model is left as it is)."""
+    if plan.cp_size > 1:
+        raise CoverageError(
+            f"cp_size={plan.cp_size} but the plan has no plan_overrides (an empty list, or a blank "
+            "`plan_overrides:` line): CP>1 needs an explicit method for every attention core; unrewritten, "
+            "each rank would attend only within its own slice of the sequence"
+        )
 
 
 def reject_unsupported_combinations(plan, overrides) -> None:

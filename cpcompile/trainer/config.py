@@ -309,6 +309,9 @@ def _check_batch(config: TrainConfig) -> None:
                                             f"data-parallel replicas, got {settings.batch_size}")
     layout = plan.layout()
     if layout is None:
+        if plan.cp_size > 1:  # what `compile` refuses (CoverageError), said here before any process starts
+            raise PlanError("plan_overrides", f"is empty with cp_size={plan.cp_size}: CP>1 needs an override "
+                                              "naming the method of every attention (docs/plans.md)")
         return
     multiple = required_multiple(layout, plan.cp_size)
     if settings.seq_len % multiple:

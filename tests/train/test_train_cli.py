@@ -55,6 +55,8 @@ def test_losses_follow_the_unrewritten_model(model):
 
 @pytest.mark.parametrize("edit, field", [
     (lambda c: c["train"].update(epochs=2), "train.epochs"),
+    (lambda c: c.update(plan_overrides=[]), "plan_overrides"),
+    (lambda c: c.update(plan_overrides=None), "plan_overrides"),  # a blank `plan_overrides:` line
     (lambda c: c.pop("model"), "model"),
     (lambda c: c["model"].pop("model_type"), "model"),
     (lambda c: c["train"].update(dtype="float16"), "train.dtype"),
