@@ -30,6 +30,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       verify: false             # also train an unrewritten copy on the whole batch; judge each step
       verify_rtol: 1.0e-4       # verify, float32/float64: each step's CP loss within this relative
                                 # difference of the copy's
+      collective_timeout_s: 300 # every process group's collective timeout: a rank that waits longer
+                                # (a peer stuck or gone) ends the run with one line naming the step
+                                # and phase (trainer/progress.py)
     optimizer:                  # AdamW with linear warmup, then cosine decay (or constant)
       weight_decay: 0.01
       betas: [0.9, 0.999]
@@ -95,12 +98,14 @@ class TrainSettings:
     metrics_file: str | None = None
     verify: bool = False
     verify_rtol: float = 1e-4
+    collective_timeout_s: float = 300.0
 
     def validate(self) -> "TrainSettings":
         for name in ("steps", "seq_len", "batch_size"):
             check_size(f"train.{name}", getattr(self, name))
         check_positive_number("train.lr", self.lr)
         check_positive_number("train.verify_rtol", self.verify_rtol)
+        check_positive_number("train.collective_timeout_s", self.collective_timeout_s)
         if self.grad_clip is not None:
             check_positive_number("train.grad_clip", self.grad_clip)
         if type(self.seed) is not int:

@@ -157,11 +157,13 @@ def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
     it shares the tp mesh's parent, as FSDP2 requires), with `dp_replicate` in front (HSDP) when
     it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp with
     pp = tp = 1, since the config refuses HSDP + TP, so the ranks are in the same order)."""
-    accelerator = mesh.accelerator
+    accelerator, options = mesh.accelerator, mesh.group_options()  # the run's collective timeout
     if accelerator.dp_replicate_size == 1:
-        return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp", backend_override=options)
     shape = (accelerator.dp_replicate_size, accelerator.dp_shard_size * accelerator.cp_size)
-    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+    names = ("dp_replicate", "dp_shard_cp")
+    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=names,
+                            backend_override={name: options for name in names} if options is not None else None)
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, settings: TrainSettings) -> None:
