@@ -249,7 +249,7 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
     settings, saving = config.train, config.checkpoint
     latest = checkpoint.latest_step(saving.folder) if saving.resume else None
     if latest is not None:
-        checkpoint.check_resumable(saving.folder, latest, config.plan.accelerator)
+        checkpoint.check_resumable(saving.folder, latest, config)
     trainer = build_trainer(config, progress)
     first = 0
     if latest is not None:
@@ -273,7 +273,7 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
             if saving.folder and ((saving.interval and done % saving.interval == 0) or done == last):
                 progress.at("checkpoint save")
                 checkpoint.save(saving.folder, done, trainer.model, trainer.optimizer, trainer.scheduler,
-                                checkpoint.mesh_sizes(config.plan.accelerator))
+                                checkpoint.run_facts(config))
     finally:
         metrics.close()
     if is_rank_zero():
