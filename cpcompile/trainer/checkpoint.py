@@ -55,7 +55,7 @@ def schedule_fields(config) -> dict:
             "optimizer.min_lr_ratio": optimizer.min_lr_ratio}
 
 
-def check_resumable(folder: str, step: int, config) -> None:
+def check_compatible(folder: str, step: int, config, model=None) -> None:
     """Refuse, before anything is built, a checkpoint saved with another CP size or LR schedule."""
     path = step_folder(folder, step)
     with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
@@ -96,7 +96,7 @@ def save(folder: str, step: int, model, optimizer, scheduler, facts: dict) -> st
 
 
 def load(folder: str, step: int, model, optimizer, scheduler) -> int:
-    """Every rank: restore the checkpoint of `step` (`check_resumable` first); -> the step to continue from."""
+    """Every rank: restore the checkpoint of `step` (`check_compatible` first); -> the step to continue from."""
     path = step_folder(folder, step)
     with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
         meta = json.load(handle)

@@ -36,6 +36,7 @@ from .config import DTYPES, TrainConfig, TrainSettings
 from .data import TokenStream
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
 from .progress import Progress
+from .startup import check_before_building
 from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, build_model,
                           compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, parameter_count, rewritten_regions,
                           use_cpcompile_gdn)
@@ -247,9 +248,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
 
 def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress) -> list[dict]:
     settings, saving = config.train, config.checkpoint
-    latest = checkpoint.latest_step(saving.folder) if saving.resume else None
-    if latest is not None:
-        checkpoint.check_resumable(saving.folder, latest, config)
+    latest = check_before_building(config)
     trainer = build_trainer(config, progress)
     first = 0
     if latest is not None:
@@ -286,6 +285,7 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
 def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     """Build everything a run builds, print the mesh, the plan's coverage and a memory estimate
     per rank, and run no step; -> the same facts as a dict."""
+    check_before_building(config)
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
         trainer = build_trainer(config, progress)

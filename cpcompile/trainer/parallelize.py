@@ -65,6 +65,15 @@ def build_model(raw_model_config: dict, settings: TrainSettings) -> torch.nn.Mod
     return model.to(device=settings.device, dtype=DTYPES[settings.dtype])
 
 
+def meta_model(raw_model_config: dict) -> torch.nn.Module:
+    """The model on the meta device: its parameter names and shapes, at no cost (start-up checks)."""
+    transformers = transformers_module()
+    config = model_config(raw_model_config)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool = False) -> int:
     """Route every GDN layer that CP did not rewrite through cpcompile's statement of the layer
     with the `backend` core (the same algorithm as the rewritten layers); -> how many.
