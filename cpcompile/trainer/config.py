@@ -21,7 +21,8 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # in param_dtype and reduces gradients in reduce_dtype
       grad_clip: null           # or a positive max global gradient norm
       activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
-      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer
+      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer:
+                                # one torch.compiler.list_backends knows
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path
       device: cpu               # cpu | cuda | npu
@@ -43,6 +44,7 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
     data:
       source: synthetic         # synthetic (random token ids) | text | jsonl (a local file)
       path: null                # text: documents separated by blank lines; jsonl: one object a line
+                                # (UTF-8 text: a binary file is refused)
       text_field: text          # jsonl: the key holding a document
       packing: false            # false: one document per row (padded / truncated); true: documents
                                 # packed end to end into full rows, position ids restarting at 0 per
@@ -59,6 +61,7 @@ tp. PP and EP are refused.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import inspect
@@ -117,6 +120,8 @@ class TrainSettings:
         check_choice("train.device", self.device, ("cpu", "cuda", "npu"))
         for name in ("compile_backend", "dump_dir", "metrics_file"):
             check_optional_string(f"train.{name}", getattr(self, name))
+        if self.compile_backend is not None:
+            check_compile_backend("train.compile_backend", self.compile_backend)
         check_bool("train.verify", self.verify)
         self.precision_policy()
         return self
@@ -189,6 +194,8 @@ class DataSettings:
             raise PlanError("data.path", f"data.source {self.source} needs the path of a local file")
         elif not os.path.isfile(self.path):
             raise PlanError("data.path", f"no such file: {short_repr(self.path)}")
+        else:
+            check_text_file("data.path", self.path)
         return self
 
 
@@ -349,6 +356,36 @@ def check_choice(field: str, value: Any, choices) -> None:
 def check_bool(field: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise PlanError(field, f"must be true or false, got {short_repr(value)}")
+
+
+def check_compile_backend(field: str, name: str) -> None:
+    """A `torch.compile` backend this torch knows (registered ones included): an unknown name
+    would fail only when the first layer compiles, after the model was built."""
+    import torch._dynamo  # noqa: F401  (registers the backends; imported only when one is asked for)
+
+    if name not in torch.compiler.list_backends(exclude_tags=()):
+        raise PlanError(field, f"{short_repr(name)} is not a torch.compile backend; known: "
+                               f"{', '.join(torch.compiler.list_backends())}")
+
+
+# How much of a data file the config reads to tell text from binary (the loader reads it all later).
+TEXT_CHECK_BYTES = 1 << 16
+
+
+def check_text_file(field: str, path: str) -> None:
+    """The file starts as UTF-8 text without NUL bytes: a binary file (an archive, a tokenized
+    .bin) is said here, naming the field, rather than as a decode error at the first batch."""
+    with open(path, "rb") as handle:
+        head = handle.read(TEXT_CHECK_BYTES)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a cut last character is fine
+    except UnicodeDecodeError as exc:
+        raise PlanError(field, f"{short_repr(path)} is not UTF-8 text (byte {exc.start}): the text and jsonl "
+                               "sources read text files") from exc
+    nul = head.find(bytes(1))
+    if nul >= 0:
+        raise PlanError(field, f"{short_repr(path)} holds NUL bytes (byte {nul}): a binary file, not text; the "
+                               "text and jsonl sources read text files")
 
 
 def check_optional_string(field: str, value: Any) -> None:

@@ -84,6 +84,7 @@ def test_losses_follow_the_unrewritten_model(model):
     (lambda c: c["train"].update(verify_rtol=0), "train.verify_rtol"),
     (lambda c: c["train"].update(verify="yes"), "train.verify"),
     (lambda c: c["train"].update(dump_dir=["x"]), "train.dump_dir"),
+    (lambda c: c["train"].update(compile_backend="inductr"), "train.compile_backend"),
 ])
 def test_config_errors_name_the_field(edit, field):
     from cpcompile.errors import PlanError
@@ -94,6 +95,22 @@ def test_config_errors_name_the_field(edit, field):
     with pytest.raises(PlanError) as info:
         load_train_config(config)
     assert info.value.field == field, info.value
+
+
+@pytest.mark.parametrize("content", [b"\x1f\x8b\x08\x00\xff\xfe binary", b"tokens\x00\x00\x01\x02"],
+                         ids=["not-utf8", "nul-bytes"])
+@pytest.mark.parametrize("source", ["text", "jsonl"])
+def test_a_binary_data_file_names_the_field(tmp_path, content, source):
+    """A binary file (an archive, tokenized ids) used to be a UnicodeDecodeError at the first batch."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+
+    (tmp_path / "data.bin").write_bytes(content)
+    config = _config(2, 0)
+    config["data"] = {"source": source, "path": str(tmp_path / "data.bin")}
+    with pytest.raises(PlanError) as info:
+        load_train_config(config)
+    assert info.value.field == "data.path" and "data.bin" in info.value.reason, info.value
 
 
 def test_model_keys_transformers_converts_are_kept():
