@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ..errors import CPConfigError
+from . import resume_checks
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 META_FILE = "trainer.json"
@@ -55,17 +56,25 @@ def schedule_fields(config) -> dict:
             "optimizer.min_lr_ratio": optimizer.min_lr_ratio}
 
 
-def check_compatible(folder: str, step: int, config, model=None) -> None:
-    """Refuse, before anything is built, a checkpoint saved with another CP size or LR schedule."""
+def check_compatible(folder: str, step: int, config, model: torch.nn.Module | None = None) -> None:
+    """Refuse, before anything is built, in one line naming the file and what differs, a
+    checkpoint this run cannot resume from: a damaged trainer.json, another CP size or LR
+    schedule, a missing or unreadable DCP index, a missing or truncated shard, another model
+    (`model`, on the meta device: its tensor names and shapes; not checked without it), a
+    missing RNG file (resume_checks.py)."""
     path = step_folder(folder, step)
-    with open(os.path.join(path, META_FILE), encoding="utf-8") as handle:
-        meta = json.load(handle)
+    meta = resume_checks.read_trainer_json(os.path.join(path, META_FILE))
     saved, cp_size = meta["cp_size"], config.plan.accelerator.cp_size
     if saved != cp_size:
         raise CPConfigError(f"checkpoint {path} was saved with cp_size={saved} and this run has "
                             f"cp_size={cp_size}: resuming with another CP size is not supported (use "
                             "the checkpoint's cp_size, or another checkpoint.folder)")
     check_schedule(meta.get("schedule"), schedule_fields(config), os.path.join(path, META_FILE))
+    metadata = resume_checks.read_dcp_metadata(path)
+    resume_checks.check_shard_files(path, metadata)
+    if model is not None:
+        resume_checks.check_model_tensors(path, metadata, model)
+    resume_checks.check_rng_file(path)
 
 
 def check_schedule(saved: dict | None, now: dict, where: str) -> None:

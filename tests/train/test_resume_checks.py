@@ -1,12 +1,13 @@
 """What a resume refuses before anything is built, in one line naming the checkpoint file and
-what differs (issue 31, items 3 and 6): another LR schedule (steps, lr, warmup, schedule).
+what differs (issue 31, items 3 and 6): another LR schedule (steps, lr, warmup, schedule),
+another model size or layer count, a damaged trainer.json, a missing .metadata, a truncated shard.
 
 One small checkpoint (one process, a tiny Qwen3, stopped after step 2 of 4) is written once;
 each test resumes from it, or from a damaged copy."""
 from __future__ import annotations
 
-import copy
-import random
+import os
+import shutil
 
 import pytest
 
@@ -63,3 +64,55 @@ def test_a_changed_schedule_is_refused_at_resume(saved, name):
     assert "another LR schedule" in message and "\n" not in message, message
     for words in SCHEDULE_EDITS[name][1]:
         assert words in message, message
+
+
+def _damaged(saved_folder: str, tmp_path, damage) -> str:
+    """A copy of the saved checkpoint folder with `damage(step folder)` done to it."""
+    folder = str(tmp_path / "ckpt")
+    shutil.copytree(saved_folder, folder)
+    damage(os.path.join(folder, "step-2"))
+    return folder
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(os.path.getsize(path) // 2)
+
+
+DAMAGES = {
+    "model size": (lambda step: None, {"hidden_size": 64},
+                   ["step-2/.metadata", "another model size", "model.embed_tokens.weight is [96, 32] there and [96, 64]"]),
+    "layer count": (lambda step: None, {"num_hidden_layers": 3},
+                    ["step-2/.metadata", "only in this run's model (first: model.layers.2."]),
+    "trainer.json": (lambda step: open(os.path.join(step, "trainer.json"), "w").write('{"step": 2, "cp_si'), {},
+                     ["step-2/trainer.json is damaged"]),
+    ".metadata": (lambda step: os.remove(os.path.join(step, ".metadata")), {}, ["step-2/.metadata is missing"]),
+    "shard": (lambda step: _truncate(os.path.join(step, "__0_0.distcp")), {},
+              ["step-2/__0_0.distcp is truncated", "bytes"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAMAGES))
+def test_a_checkpoint_the_run_cannot_resume_is_one_line_naming_the_file(saved, tmp_path, name):
+    """`check_before_building` (which `train` and `dry_run` run first) refuses each in one
+    CPConfigError line naming the checkpoint file and what differs."""
+    from cpcompile.errors import CPConfigError
+    from cpcompile.trainer import load_train_config
+    from cpcompile.trainer.startup import check_before_building
+
+    damage, model_edit, words = DAMAGES[name]
+    config = _config(_damaged(saved[0], tmp_path, damage))
+    config["model"].update(model_edit)
+    with pytest.raises(CPConfigError) as info:
+        check_before_building(load_train_config(config))
+    message = str(info.value)
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, message
+
+
+def test_the_saved_checkpoint_itself_passes(saved):
+    from cpcompile.trainer import load_train_config
+    from cpcompile.trainer.startup import check_before_building
+
+    assert check_before_building(load_train_config(_config(saved[0]))) == 2
