@@ -138,22 +138,29 @@ def test_an_unwritable_dump_dir_names_the_field(tmp_path):
     assert rank_dump_dir(str(tmp_path / "dump"), 1) == str(tmp_path / "dump" / "rank1")
 
 
-def _cli(verb: str, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cpcompile",
-           verb, os.path.join(ROOT, "examples", "train_qwen3_5_p2p.yaml"), *args]
+def _cli(verb: str, *args: str, torchrun: bool = False) -> str:
+    """`verb` on the example config: as the README launches it (`python -m cpcompile VERB
+    --nproc-per-node 2 CONFIG`), or under torchrun."""
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    config = os.path.join(ROOT, "examples", "train_qwen3_5_p2p.yaml")
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "cpcompile", verb, config, *args]
+    else:
+        cmd = [sys.executable, "-m", "cpcompile", verb, "--nproc-per-node", "2", config, *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res.stdout
 
 
-def test_cli_trains_the_example_under_torchrun():
+def test_cli_trains_the_example_as_the_readme_launches_it():
     out = _cli("train", "--steps", "2")
     assert "step 2/2" in out and "CP=1 loss" in out and "verify: PASS" in out, out
 
 
 def test_cli_benches_the_example_under_torchrun():
-    out = _cli("bench", "--warmup", "0", "--repeat", "1", "--full-sequence")
+    out = _cli("bench", "--warmup", "0", "--repeat", "1", "--full-sequence", torchrun=True)
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [r.split("|")[2].strip() for r in rows] == ["64", "64", "128"], out
     assert rows[0].startswith("| CP=2: gdn:p2p") and "sdpa:all_gather" in rows[0], out
