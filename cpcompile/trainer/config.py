@@ -74,7 +74,7 @@ import torch
 
 from ..batch import required_multiple
 from ..errors import MissingDependencyError, PlanError, short_repr
-from ..plan import Plan, check_size, load_plan, read_yaml, reject_unknown_keys
+from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AC_MODES = ("off", "every_layer")
@@ -244,6 +244,7 @@ def load_train_config(source: str | dict) -> TrainConfig:
     if not isinstance(raw, dict):
         raise PlanError("<config>", f"must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
+    _reject_unknown_sections(raw)
     model = raw.pop("model", None)
     sections = {name: _section(name, raw.pop(name, None), cls) for name, cls in SECTIONS.items()}
     model = _check_model_section(model)
@@ -260,6 +261,18 @@ def load_train_config(source: str | dict) -> TrainConfig:
     # model_config refuses a model type or key transformers does not know, before any process starts
     _check_tensor_parallel(config, model_config(model))
     return config
+
+
+def _reject_unknown_sections(raw: dict) -> None:
+    """A top-level key that is neither a trainer section nor a plan key, named with the trainer's
+    allowed keys (the plan's check would name only its own two) and the closest one."""
+    allowed = ("model", *SECTIONS, *TOP_LEVEL_KEYS)
+    for key in raw:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            name = key if isinstance(key, str) else short_repr(key)
+            raise PlanError(name, f"unknown section; allowed: {', '.join(allowed)}{hint}")
 
 
 def _check_tensor_parallel(config: TrainConfig, transformers_config) -> None:

@@ -113,6 +113,21 @@ def test_a_binary_data_file_names_the_field(tmp_path, content, source):
     assert info.value.field == "data.path" and "data.bin" in info.value.reason, info.value
 
 
+def test_a_misspelt_section_is_told_the_trainer_sections():
+    """`optimiser:` used to be told the plan's two keys (accelerator, plan_overrides)."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+
+    config = _config(2, 0)
+    config["optimiser"] = {"warmup_steps": 2}
+    with pytest.raises(PlanError) as info:
+        load_train_config(config)
+    assert info.value.field == "optimiser", info.value
+    for word in ("model", "train", "optimizer", "data", "checkpoint", "accelerator", "plan_overrides",
+                 "did you mean 'optimizer'"):
+        assert word in info.value.reason, info.value
+
+
 def test_model_keys_transformers_converts_are_kept():
     """A key transformers still reads under an older name (rope_theta, into rope_parameters) is
     not a stray key; a misspelt one names its likely spelling."""
