@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch import IGNORE_INDEX, global_shift_labels, shard_batch
+from ..batch import IGNORE_INDEX, global_shift_labels, required_multiple, shard_batch
 from ..dump import prepare_dump_dir
 from ..errors import CPConfigError, PlanError, VerificationError
 from ..loss import global_mean_loss
@@ -282,13 +282,33 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
     return records
 
 
+# Tokens per CP rank of the dry run's probe batch: enough for every method (a GDN conv kernel's
+# halo, Head-Tail's two chunks), little enough that the probe forward costs nothing.
+DRY_RUN_TOKENS_PER_RANK = 16
+
+
+def dry_run_seq_len(config: TrainConfig) -> int:
+    """The dry run's sequence length: `train.seq_len` cut to about `DRY_RUN_TOKENS_PER_RANK` per CP
+    rank, a multiple of what the plan's layout needs."""
+    plan = config.plan
+    layout = plan.layout()
+    multiple = required_multiple(layout, plan.cp_size) if layout is not None else 1
+    short = math.ceil(DRY_RUN_TOKENS_PER_RANK * plan.cp_size / multiple) * multiple
+    return min(short, config.train.seq_len)
+
+
 def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     """Build everything a run builds, print the mesh, the plan's coverage and a memory estimate
-    per rank, and run no step; -> the same facts as a dict."""
+    per rank, and run no step; -> the same facts as a dict. The model is built and rewritten
+    from a short probe batch (`dry_run_seq_len`): the regions and their methods do not depend on
+    the length, and a probe forward at `train.seq_len` could take minutes; the estimate is for
+    `train.seq_len`."""
     check_before_building(config)
+    probe = dry_run_seq_len(config)
+    probe_config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=probe))
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
-        trainer = build_trainer(config, progress)
+        trainer = build_trainer(probe_config, progress)
     accelerator = config.plan.accelerator
     regions = rewritten_regions(trainer.model)
     estimate = memory_estimate(config, parameter_count(trainer.model), trainer.model.config)
@@ -296,11 +316,12 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
         log(f"mesh: {accelerator.world_size_formula()}; FSDP2 over dp_shard x cp = "
             f"{accelerator.dp_shard_size * accelerator.cp_size} ranks, replicated over dp_replicate = "
             f"{accelerator.dp_replicate_size}; tensor parallel over tp = {accelerator.tp_size}")
-        log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size}")
+        log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size} (traced on a probe "
+            f"batch of {probe} of train.seq_len's {config.train.seq_len} tokens per sequence)")
         for name, method in regions:
             log(f"  {name}: {method}")
         log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
-    return {"regions": regions, "memory_gib": estimate}
+    return {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe}
 
 
 def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
