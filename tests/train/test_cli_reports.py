@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from cp_harness import sdpa_plan
@@ -105,6 +106,17 @@ def test_a_missing_transformers_names_the_extra(tmp_path):
                         f"from cpcompile.cli import main; sys.exit(main(['train', {path!r}]))")
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.count("\n") == 1 and 'pip install "cpcompile[train]"' in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("content", ['{"regions": [{"fqn": "x"', '{"regions": 3}', '[1, 2]', "\udcff"],
+                         ids=["cut", "wrong-type", "not-a-summary", "not-utf8"])
+def test_inspect_of_a_damaged_summary_is_one_line(tmp_path, capsys, content):
+    from cpcompile.cli import main
+
+    (tmp_path / "summary.json").write_text(content, errors="surrogateescape")
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cpcompile inspect: error: ") and "summary.json is damaged" in err, err
 
 
 def test_inspect_of_a_missing_folder_is_one_line(tmp_path, capsys):
