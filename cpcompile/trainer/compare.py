@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CPCompileError
-from .config import load_train_config
+from ..plan import check_size
+from .config import check_number, load_train_config
 from .metrics import plot_curves, read_jsonl, relative
 
 Launch = Callable[[str, int, int, str], None]  # (config path, processes, steps, metrics file)
@@ -48,10 +49,14 @@ def cpcompile_launch(config: str, processes: int, steps: int, metrics: str) -> N
 
 def compare_configs(config_a: str, config_b: str, steps: int, rtol: float, out: str,
                     launch: Launch = cpcompile_launch, log: Callable[[str], None] = print) -> Comparison:
+    """Run both configs for `steps` and judge them. The arguments and both configs are checked
+    before either run starts (a PlanError naming `--steps`, `--rtol` or the config's field)."""
+    check_size("--steps", steps)
+    check_number("--rtol", rtol, low=0.0)
+    configs = {"a": (config_a, load_train_config(config_a)), "b": (config_b, load_train_config(config_b))}
     os.makedirs(out, exist_ok=True)
     runs = {}
-    for name, path in (("a", config_a), ("b", config_b)):
-        config = load_train_config(path)
+    for name, (path, config) in configs.items():
         metrics = os.path.join(out, f"{name}.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
