@@ -106,6 +106,18 @@ def test_compare_steps_0_is_one_line_from_the_command(capsys):
     assert err == "cpcompile compare: error: --steps: must be an integer >= 1, got 0\n", err
 
 
+def test_compare_out_is_ignored_by_git():
+    """`compare`'s default output folder is made in the working directory: not something to commit."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")) and \
+            not os.path.isfile(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    res = subprocess.run(["git", "check-ignore", "-q", "compare_out/compare.md"], cwd=ROOT)
+    assert res.returncode == 0, "compare_out/ is not in .gitignore"
+
+
 @pytest.mark.parametrize("b_loss, b_steps, passes", [(2.0, 3, True), (2.001, 3, False), (2.0, 2, False),
                                                      (float("nan"), 3, False)])
 def test_the_judge_fails_a_difference_a_missing_step_or_nan(b_loss, b_steps, passes):
