@@ -127,7 +127,8 @@ def outcome(name):
     ("tp_not_applied", "UnsupportedError", ["accelerator.tp_size=2", "no parameter", "tensor parallelism first"]),
     ("inference_cache", "CPInputError", ["use_cache=False", "cache"]),
     ("sliding_window", "UnsupportedMaskError", ["sliding-window"]),
-    ("eager_attention", "CoverageError", ["ran no sdpa core"]),
+    ("eager_attention", "CoverageError", ["ran no sdpa core", "attn_implementation='eager'",
+                                          'attn_implementation="sdpa"']),
     ("cross_lengths", "CPInputError", ["4 queries but 6 keys"]),
     ("not_hf_without_example", "CPInputError", ["example_inputs"]),
 ])
