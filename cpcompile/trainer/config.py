@@ -55,9 +55,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       resume: true              # start from the latest checkpoint in the folder, when there is one
 
 Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` x `tp_size` processes
-(torchrun); FSDP2 shards over `dp_shard x cp` and replicates over `dp_replicate`. `tp_size > 1`
-(SDPA models, with cp_size > 1; not with dp_replicate) splits every layer's heads and MLP over
-tp. PP and EP are refused.
+(`cpcompile train --nproc-per-node N`, or torchrun); FSDP2 shards over `dp_shard x cp` and
+replicates over `dp_replicate`. `tp_size > 1` (SDPA models, with cp_size > 1; not with
+dp_replicate) splits every layer's heads and MLP over tp. PP and EP are refused.
 """
 from __future__ import annotations
 

@@ -48,7 +48,8 @@ def check_world_size(plan: Plan) -> None:
     want = plan.accelerator.world_size
     if world == want:
         return
-    launch = f"launch one per rank: torchrun --nproc-per-node {want} ..."
+    launch = (f"launch one per rank: python -m cpcompile train --nproc-per-node {want} CONFIG (or torchrun "
+              f"--nproc-per-node {want} -m cpcompile ...)")
     if want == plan.cp_size:  # CP only: name the one size that sets the count
         raise PlanError("accelerator.cp_size", f"is {want} but the job has {world} process(es); {launch}")
     raise PlanError("accelerator", f"needs {plan.accelerator.world_size_formula()} processes but the job has "
