@@ -85,6 +85,7 @@ def test_losses_follow_the_unrewritten_model(model):
     (lambda c: c["train"].update(verify="yes"), "train.verify"),
     (lambda c: c["train"].update(dump_dir=["x"]), "train.dump_dir"),
     (lambda c: c["train"].update(compile_backend="inductr"), "train.compile_backend"),
+    (lambda c: c["train"].update(collective_timeout_s=0), "train.collective_timeout_s"),
 ])
 def test_config_errors_name_the_field(edit, field):
     from cpcompile.errors import PlanError
