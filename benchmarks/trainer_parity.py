@@ -4,7 +4,7 @@
 
 Runs `cpcompile compare` on the example pair (examples/parity_qwen3_5_fsdp_cp.yaml: a tiny Qwen3.5,
 GDN State-P2P + SDPA AllGather, 4 gloo ranks as dp_shard 2 x cp 2; examples/parity_qwen3_5_single.yaml:
-the same in one process) for `--steps` steps in `--dtype`, each side under torchrun, and writes
+the same in one process) for `--steps` steps in `--dtype`, each side with `cpcompile train --nproc-per-node`, and writes
 the per-step table and the plot of both curves to benchmarks/results/trainer_parity_<date>_<device>.{md,png}.
 
 The data are learnable text, not the examples' random token ids: README.md and docs/*.md of this

@@ -11,6 +11,7 @@ device). Forward (to the loss) and backward are timed separately, median of `rep
 from __future__ import annotations
 
 import contextlib
+import datetime
 import time
 from typing import Callable, ContextManager
 
@@ -69,7 +70,8 @@ def bench(config: TrainConfig, warmup: int, repeat: int, full_sequence: bool = F
         raise PlanError("accelerator.tp_size", f"is {config.plan.accelerator.tp_size}: cpcompile bench times CP "
                                                "alone (set tp_size: 1; `cpcompile train` runs TP with CP)")
     check_world_size(config.plan)
-    mesh = build_mesh(config.plan.accelerator, device_type=settings.device)
+    mesh = build_mesh(config.plan.accelerator, device_type=settings.device,
+                      timeout=datetime.timedelta(seconds=settings.collective_timeout_s))
     model = build_model(config.model, settings)
     batch = TokenStream(config.data, settings, model.config.get_text_config().vocab_size).batch(0)
     local = shard_batch(batch, mesh, config.plan)

@@ -1,15 +1,20 @@
 """Command line (also installed as `cpcompile`):
 
-    python -m cpcompile inspect DUMP_DIR                          # print a graph dump's summary
-    torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml    # train: FSDP2 x CP, the config's plan
-    python -m cpcompile compare A.yaml B.yaml --steps N          # two configs' runs, step by step
-    torchrun --nproc-per-node N -m cpcompile bench CONFIG.yaml    # time its step, with and without CP
+    python -m cpcompile inspect DUMP_DIR                              # print a graph dump's summary
+    python -m cpcompile train --nproc-per-node N CONFIG.yaml          # train: FSDP2 x CP, the config's plan
+    python -m cpcompile compare A.yaml B.yaml --steps N               # two configs' runs, step by step
+    python -m cpcompile bench --nproc-per-node N CONFIG.yaml          # time its step, with and without CP
+
+`--nproc-per-node N` starts the N workers itself (launch.py, with torchrun's own launcher) after
+checking the config; `torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml` runs the same
+workers under torchrun.
 
 An error cpcompile raises for the user (a `CPCompileError`: a config field, a plan that does not
-fit the job, a verify run that missed its tolerance) or a file it cannot read is one line on
-stderr from rank 0 — `cpcompile train: error: <field>: <reason>`, or `FAIL: ...` for verify —
-and exit status 2 (1 for FAIL); the other ranks stay quiet. `--debug` raises it with its
-traceback instead. torchrun then adds its own report of the ranks that exited non-zero.
+fit the job, a verify run that missed its tolerance, a collective that timed out) or a file it
+cannot read is one line on stderr from rank 0 — `cpcompile train: error: <field>: <reason>`, or
+`FAIL: ...` for verify — and exit status 2 (1 for FAIL); the other ranks stay quiet. `--debug`
+raises it with its traceback instead. With `--nproc-per-node` that line is all and the exit
+status is the worker's; under torchrun, torchrun adds its own report and exits 1.
 """
 from __future__ import annotations
 
@@ -25,8 +30,11 @@ REPORTED = (CPCompileError, OSError)
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = _parser().parse_args(argv)
     try:
+        if getattr(args, "nproc_per_node", None) is not None:
+            return _launch(args, argv)
         if args.command == "inspect":
             print(inspect(args.dump_dir), end="")
             return 0
@@ -59,6 +67,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics", default=None, help="override train.metrics_file (JSONL, one line per step)")
     run.add_argument("--dry-run", action="store_true",
                      help="print the mesh, the plan's coverage and a memory estimate, then exit")
+    run.add_argument("--nproc-per-node", type=int, default=None,
+                     help="start this many workers here (the config's mesh size), instead of running under torchrun")
     pair = commands.add_parser("compare", parents=[common],
                                help="run two train configs (each under torchrun) and judge loss/grad-norm parity")
     pair.add_argument("config_a")
@@ -74,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     timing.add_argument("--repeat", type=int, default=10)
     timing.add_argument("--full-sequence", action="store_true",
                         help="also time the model without CP on the whole sequence")
+    timing.add_argument("--nproc-per-node", type=int, default=None,
+                        help="start this many workers here (the config's mesh size), instead of running under torchrun")
     return parser
 
 
@@ -86,19 +98,40 @@ def report(command: str, exc: BaseException) -> int:
     return 1 if isinstance(exc, VerificationError) else 2
 
 
-def _run(args) -> int:
+def _config(args):
+    """The train config of `train` / `bench`, with the command line's overrides."""
     import dataclasses
 
-    import torch.distributed as dist
-
-    from .mesh import release_process_group
-    from .trainer import dry_run, load_train_config, train
+    from .trainer import load_train_config
 
     config = load_train_config(args.config)
     if getattr(args, "steps", None) is not None:
         config = config.with_steps(args.steps)
     if getattr(args, "metrics", None) is not None:
         config = dataclasses.replace(config, train=dataclasses.replace(config.train, metrics_file=args.metrics))
+    return config
+
+
+def _launch(args, argv: list[str]) -> int:
+    """`--nproc-per-node`: check the config and what a run checks before building, here, then
+    start the workers (launch.py); -> their exit status."""
+    from .launch import check_launch, run_workers, worker_argv
+    from .trainer.startup import check_before_building
+
+    config = _config(args)
+    check_launch(args.nproc_per_node, config.plan.accelerator.world_size)
+    if args.command == "train":
+        check_before_building(config)
+    return run_workers(args.nproc_per_node, worker_argv(argv), quiet=not args.debug)
+
+
+def _run(args) -> int:
+    import torch.distributed as dist
+
+    from .mesh import release_process_group
+    from .trainer import dry_run, train
+
+    config = _config(args)
     try:
         if args.command == "train" and args.dry_run:
             dry_run(config)

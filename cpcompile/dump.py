@@ -154,4 +154,8 @@ def inspect(dump_dir: str | os.PathLike) -> str:
                 f"{dump_dir} holds one dump per rank; inspect one of them: {', '.join(map(str, ranks))}"
             )
         raise FileNotFoundError(f"{path} not found: is {dump_dir} a cpcompile dump directory?")
-    return format_summary(json.loads(path.read_text())["regions"])
+    try:
+        return format_summary(json.loads(path.read_text(encoding="utf-8"))["regions"])
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a summary's shape
+        raise CPConfigError(f"{path} is damaged, not a summary cpcompile wrote ({type(exc).__name__}: "
+                            f"{' '.join(str(exc).split())[:200]}); run with dump_dir= again to rewrite it") from exc

@@ -6,7 +6,7 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | class | builtin | raised when |
 |---|---|---|
 | `PlanError` | ValueError | a plan field is invalid; `field` is its path, `reason` why |
-| `CPConfigError` | ValueError | the plan does not fit the job (world size, mesh, cp size, sub-groups); an unwritable `dump_dir` |
+| `CPConfigError` | ValueError | the plan does not fit the job (world size, mesh, cp size, sub-groups); an unwritable `dump_dir`; a checkpoint a run cannot resume, a damaged dump summary |
 | `CoverageError` | ValueError | an attention core lies in no region, or a region runs no core of its method's kind |
 | `CPInputError` | ValueError | a model, call, batch, wrapper parameter or kernel input CP cannot serve |
 | `UnsupportedMaskError` | ValueError | an attention mask other than causal∧key-padding or key-padding alone |
@@ -71,7 +71,8 @@ class PlanError(CPCompileError, ValueError):
 
 class CPConfigError(CPCompileError, ValueError):
     """The plan does not fit the running job (world size, mesh shape, sub-group sizes, ...), or the
-    job cannot do what it was asked (write the debug dump to `dump_dir`)."""
+    job cannot do what it was asked (write the debug dump to `dump_dir`, resume a checkpoint, read
+    a dump's summary)."""
 
 
 class CoverageError(CPCompileError, ValueError):

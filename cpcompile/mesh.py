@@ -11,12 +11,20 @@ the device type (cuda->nccl, npu->hccl, cpu->gloo) from the `env://` variables t
 of world size 1 started without those variables gets a private single-rank group. An already
 initialised default group (any backend, including the fake one) is used as it is.
 
+Timeout: `build_mesh(..., timeout=timedelta)` gives every group it makes that collective timeout:
+the default group it initialises, each mesh dimension's group and the flattened `dp_cp` group
+(through DeviceMesh's `backend_override` options), and the Hybrid sub-groups; a collective that
+waits longer fails (gloo raises in the waiting rank; NCCL's watchdog ends the process). Without
+it, PyTorch's defaults hold (30 minutes for gloo, 10 for NCCL). An already initialised default
+group keeps its own timeout.
+
 Structure tests: `build_mesh(..., device_type="cpu")` works directly under the fake process group
 (`torch.testing._internal.distributed.fake_pg`): init it with
 ``dist.init_process_group("fake", store=FakeStore(), rank=r, world_size=n)`` first. No helper needed.
 """
 from __future__ import annotations
 
+import datetime
 import os
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -50,7 +58,12 @@ class CPMesh:
     dp_cp: DeviceMesh
     device_type: str
     accelerator: AcceleratorConfig
+    timeout: datetime.timedelta | None = None  # of every group this mesh made; None: PyTorch's default
     _hybrid_groups: dict[int, HybridGroups] = field(default_factory=dict, repr=False)
+
+    def group_options(self):
+        """DeviceMesh's `backend_override` for a group with this mesh's timeout; None without one."""
+        return group_options(self.device_type, self.timeout)
 
     @property
     def cp_size(self) -> int:
@@ -99,38 +112,41 @@ class CPMesh:
         if cp % u:
             raise CPConfigError(f"cp_size={cp} is not divisible by ulysses_degree={u}")
         if u not in self._hybrid_groups:
-            self._hybrid_groups[u] = _new_hybrid_groups(self.cp_ranks_all(), u, dist.get_rank())
+            self._hybrid_groups[u] = _new_hybrid_groups(self.cp_ranks_all(), u, dist.get_rank(), self.timeout)
         return self._hybrid_groups[u]
 
 
-def _new_hybrid_groups(cp_groups: list[list[int]], u: int, my_rank: int) -> HybridGroups:
+def _new_hybrid_groups(cp_groups: list[list[int]], u: int, my_rank: int,
+                       timeout: datetime.timedelta | None) -> HybridGroups:
     # Every rank walks every cp group in the same order: new_group is collective over the job.
     ulysses = ring = None
     for ranks in cp_groups:
         for start in range(0, len(ranks), u):
             members = ranks[start:start + u]
-            group = dist.new_group(members, group_desc="cp_ulysses")
+            group = dist.new_group(members, timeout=timeout, group_desc="cp_ulysses")
             if my_rank in members:
                 ulysses = group
     for ranks in cp_groups:
         for position in range(u):
             members = ranks[position::u]
-            group = dist.new_group(members, group_desc="cp_ring")
+            group = dist.new_group(members, timeout=timeout, group_desc="cp_ring")
             if my_rank in members:
                 ring = group
     assert ulysses is not None and ring is not None, "this rank is in no cp group"
     return HybridGroups(ulysses=ulysses, ring=ring)
 
 
-def build_mesh(accelerator: AcceleratorConfig | Plan, device_type: str | None = None) -> CPMesh:
-    """Build the device mesh for `accelerator` (or a Plan's accelerator); see the module doc."""
+def build_mesh(accelerator: AcceleratorConfig | Plan, device_type: str | None = None, *,
+               timeout: datetime.timedelta | None = None) -> CPMesh:
+    """Build the device mesh for `accelerator` (or a Plan's accelerator); see the module doc.
+    `timeout`: the collective timeout of every group it makes (None: PyTorch's defaults)."""
     if isinstance(accelerator, Plan):
         accelerator = accelerator.accelerator
     if not isinstance(accelerator, AcceleratorConfig):
         raise TypeError(f"build_mesh expects an AcceleratorConfig, got {type(accelerator).__name__}")
     accelerator.validate()
     device_type = _resolve_device_type(device_type)
-    created = _ensure_process_group(device_type)
+    created = _ensure_process_group(device_type, timeout)
     world = dist.get_world_size()
     if world != accelerator.world_size:
         if created:  # leave the process the way we found it
@@ -141,11 +157,25 @@ def build_mesh(accelerator: AcceleratorConfig | Plan, device_type: str | None = 
             f"({accelerator.world_size_formula()})"
         )
     shape = tuple(getattr(accelerator, f"{name}_size") for name in MESH_DIM_NAMES)
-    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES)
+    options = group_options(device_type, timeout)
+    overrides = {name: options for name in MESH_DIM_NAMES} if options is not None else None
+    root = init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIM_NAMES, backend_override=overrides)
     # Keep the flattened mesh object itself: slicing a flattened name back out of the root
     # mesh (root["dp_cp"]) is deprecated since torch 2.11.
-    dp_cp = root[DP_CP_DIMS]._flatten("dp_cp")
-    return CPMesh(root=root, cp=root["cp"], dp_cp=dp_cp, device_type=device_type, accelerator=accelerator)
+    dp_cp = root[DP_CP_DIMS]._flatten("dp_cp", backend_override=options)
+    return CPMesh(root=root, cp=root["cp"], dp_cp=dp_cp, device_type=device_type, accelerator=accelerator,
+                  timeout=timeout)
+
+
+def group_options(device_type: str, timeout: datetime.timedelta | None):
+    """The backend options DeviceMesh takes (`backend_override`) to give its groups `timeout`
+    (DeviceMesh reads the timeout from them; gloo reads nothing else). None without a timeout, and
+    for HCCL, whose options class is torch_npu's: its sub-groups keep their default timeout."""
+    if timeout is None or device_type not in ("cpu", "cuda"):
+        return None
+    options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
 
 
 def _resolve_device_type(device_type: str | None) -> str:
@@ -168,8 +198,9 @@ def _resolve_device_type(device_type: str | None) -> str:
     return device_type
 
 
-def _ensure_process_group(device_type: str) -> bool:
-    """Initialise the default process group if needed; True when this call created it."""
+def _ensure_process_group(device_type: str, timeout: datetime.timedelta | None = None) -> bool:
+    """Initialise the default process group if needed (with `timeout` when given); True when this
+    call created it."""
     if dist.is_initialized():
         return False
     backend = BACKEND_FOR_DEVICE[device_type]
@@ -181,7 +212,7 @@ def _ensure_process_group(device_type: str) -> bool:
         device_module.set_device(int(local_rank) if local_rank is not None else device_module.current_device())
     if all(name not in os.environ for name in _TORCHRUN_ENV):
         # Plain `python train.py`: a private one-rank group; a larger job must come from torchrun.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
         return True
     missing = [name for name in _TORCHRUN_ENV if name not in os.environ]
     if missing:
@@ -189,7 +220,7 @@ def _ensure_process_group(device_type: str) -> bool:
             f"cannot initialise the process group: environment variables {', '.join(missing)} "
             "are not set (launch with torchrun, or call torch.distributed.init_process_group first)"
         )
-    dist.init_process_group(backend, init_method="env://")
+    dist.init_process_group(backend, init_method="env://", timeout=timeout)
     return True
 
 

@@ -63,6 +63,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         raise CPConfigError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
     overrides = plan.active_overrides()
     if not overrides:
+        refuse_empty_plan(plan)
         log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
         return model
     reject_unsupported_combinations(plan, overrides)
@@ -74,7 +75,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
     example = example_inputs if example_inputs is not None else default_example(model)
     probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
-    check_coverage(targets, probe.core_sites)
+    check_coverage(targets, probe.core_sites, attention_hint(model))
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
     documents = DocumentFeed()
     if isinstance(example, dict):  # a packed example traces the regions that read documents for it
@@ -138,6 +139,18 @@ def schedule_async_backward(mesh, overrides: list[Override]) -> None:
         enable_for_groups(groups)
 
 
+def refuse_empty_plan(plan) -> None:
+    """A plan with no override at CP>1 would leave every attention unrewritten: a rank fed its
+    slice would attend only within it, silently wrong. At cp_size 1 the `when: cp` overrides are
+    inactive on purpose (the model is left as it is)."""
+    if plan.cp_size > 1:
+        raise CoverageError(
+            f"cp_size={plan.cp_size} but the plan has no plan_overrides (an empty list, or a blank "
+            "`plan_overrides:` line): CP>1 needs an explicit method for every attention core; unrewritten, "
+            "each rank would attend only within its own slice of the sequence"
+        )
+
+
 def reject_unsupported_combinations(plan, overrides) -> None:
     for name, size in plan.accelerator.not_with_cp():
         raise UnsupportedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
@@ -187,8 +200,19 @@ def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]
     return list(targets.values())
 
 
-def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]]) -> None:
-    """Every core runs inside exactly one region, of the kind its method rewrites."""
+def attention_hint(model: nn.Module) -> str:
+    """For a Hugging Face model built with another attention than SDPA (`eager`, flash, flex),
+    whose attention then never calls `scaled_dot_product_attention`: how to build it instead."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if not isinstance(implementation, str) or implementation == "sdpa":
+        return ""
+    return (f"; the model was built with attn_implementation={implementation!r}: build it with "
+            'attn_implementation="sdpa", whose attention calls scaled_dot_product_attention, the core CP rewrites')
+
+
+def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]], hint: str = "") -> None:
+    """Every core runs inside exactly one region, of the kind its method rewrites; `hint` is added
+    where an SDPA region ran no SDPA core (`attention_hint`)."""
     by_fqn = {t.fqn: t for t in targets}
     seen: set[str] = set()
     for kind, stack in core_sites:
@@ -202,7 +226,9 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
         seen.add(target.fqn)
     for target in targets:
         if target.fqn not in seen and target.override.method.core != LOCAL_CORE:
-            raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
+            core = target.override.method.core
+            raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {core} core in the "
+                                f"probe forward{hint if core == 'sdpa' else ''}")
 
 
 def default_example(model: nn.Module) -> dict:

@@ -271,7 +271,8 @@ def read_yaml(path: "str | os.PathLike") -> Any:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise PlanError(field, f"not UTF-8 text (byte {exc.start})") from exc
-    loader = yaml.SafeLoader(text)
+    loader = _UniqueKeyLoader(text)
+    loader.field = field
     try:
         node = loader.get_single_node()
         if node is None:
@@ -284,6 +285,28 @@ def read_yaml(path: "str | os.PathLike") -> Any:
         raise PlanError(field, "not a plan: its collections are nested too deeply") from exc
     finally:
         loader.dispose()
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """`yaml.SafeLoader` that refuses a key given twice in one mapping, which YAML resolves by
+    keeping the last one silently (a second `steps:` would win unseen). Keys a merge (`<<: *a`)
+    brings in may still be overridden: that is what merging is for."""
+
+    field = "<yaml>"
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen: dict = {}
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
+                    continue  # merges are allowed; a collection as a key is refused by the loader itself
+                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
+                if key in seen:
+                    raise PlanError(self.field, f"line {line}: the key {short_repr(key)} is given twice in one "
+                                                f"mapping (first on line {seen[key]}); YAML would keep the last "
+                                                "one silently")
+                seen[key] = line
+        return super().construct_mapping(node, deep=deep)
 
 
 def _check_expanded_size(field: str, root: yaml.Node) -> None:

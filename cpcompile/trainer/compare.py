@@ -1,5 +1,5 @@
-"""`cpcompile compare A.yaml B.yaml --steps N`: run two train configs for N steps, each under
-`torchrun` with the processes its mesh needs, and judge them step by step.
+"""`cpcompile compare A.yaml B.yaml --steps N`: run two train configs for N steps, each with the
+processes its mesh needs (`cpcompile train --nproc-per-node P`), and judge them step by step.
 
 Writes to the output folder: `a.jsonl`, `b.jsonl` (each run's metrics), `compare.md` (a table of
 every step's loss and grad-norm, their relative differences, and the verdict) and `compare.png`
@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CPCompileError
-from .config import load_train_config
+from ..plan import check_size
+from .config import check_number, load_train_config
 from .metrics import plot_curves, read_jsonl, relative
 
 Launch = Callable[[str, int, int, str], None]  # (config path, processes, steps, metrics file)
@@ -35,10 +36,11 @@ class Comparison:
         return self.worst <= self.rtol
 
 
-def torchrun_launch(config: str, processes: int, steps: int, metrics: str) -> None:
-    """`torchrun --standalone --nproc-per-node P -m cpcompile train CONFIG --steps N --metrics FILE`."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes),
-               "-m", "cpcompile", "train", config, "--steps", str(steps), "--metrics", metrics]
+def cpcompile_launch(config: str, processes: int, steps: int, metrics: str) -> None:
+    """`python -m cpcompile train --nproc-per-node P CONFIG --steps N --metrics FILE` (its own workers,
+    cpcompile/launch.py: a failing run says its one line, without torchrun's report)."""
+    command = [sys.executable, "-m", "cpcompile", "train", "--nproc-per-node", str(processes), config,
+               "--steps", str(steps), "--metrics", metrics]
     result = subprocess.run(command)
     if result.returncode:
         raise CPCompileError(f"compare: the run of {config} failed (exit status {result.returncode}): "
@@ -46,11 +48,15 @@ def torchrun_launch(config: str, processes: int, steps: int, metrics: str) -> No
 
 
 def compare_configs(config_a: str, config_b: str, steps: int, rtol: float, out: str,
-                    launch: Launch = torchrun_launch, log: Callable[[str], None] = print) -> Comparison:
+                    launch: Launch = cpcompile_launch, log: Callable[[str], None] = print) -> Comparison:
+    """Run both configs for `steps` and judge them. The arguments and both configs are checked
+    before either run starts (a PlanError naming `--steps`, `--rtol` or the config's field)."""
+    check_size("--steps", steps)
+    check_number("--rtol", rtol, low=0.0)
+    configs = {"a": (config_a, load_train_config(config_a)), "b": (config_b, load_train_config(config_b))}
     os.makedirs(out, exist_ok=True)
     runs = {}
-    for name, path in (("a", config_a), ("b", config_b)):
-        config = load_train_config(path)
+    for name, (path, config) in configs.items():
         metrics = os.path.join(out, f"{name}.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)

@@ -21,7 +21,8 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # in param_dtype and reduces gradients in reduce_dtype
       grad_clip: null           # or a positive max global gradient norm
       activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
-      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer
+      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer:
+                                # one torch.compiler.list_backends knows
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path
       device: cpu               # cpu | cuda | npu
@@ -30,6 +31,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       verify: false             # also train an unrewritten copy on the whole batch; judge each step
       verify_rtol: 1.0e-4       # verify, float32/float64: each step's CP loss within this relative
                                 # difference of the copy's
+      collective_timeout_s: 300 # every process group's collective timeout: a rank that waits longer
+                                # (a peer stuck or gone) ends the run with one line naming the step
+                                # and phase (trainer/progress.py)
     optimizer:                  # AdamW with linear warmup, then cosine decay (or constant)
       weight_decay: 0.01
       betas: [0.9, 0.999]
@@ -40,6 +44,7 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
     data:
       source: synthetic         # synthetic (random token ids) | text | jsonl (a local file)
       path: null                # text: documents separated by blank lines; jsonl: one object a line
+                                # (UTF-8 text: a binary file is refused)
       text_field: text          # jsonl: the key holding a document
       packing: false            # false: one document per row (padded / truncated); true: documents
                                 # packed end to end into full rows, position ids restarting at 0 per
@@ -50,12 +55,13 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       resume: true              # start from the latest checkpoint in the folder, when there is one
 
 Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` x `tp_size` processes
-(torchrun); FSDP2 shards over `dp_shard x cp` and replicates over `dp_replicate`. `tp_size > 1`
-(SDPA models, with cp_size > 1; not with dp_replicate) splits every layer's heads and MLP over
-tp. PP and EP are refused.
+(`cpcompile train --nproc-per-node N`, or torchrun); FSDP2 shards over `dp_shard x cp` and
+replicates over `dp_replicate`. `tp_size > 1` (SDPA models, with cp_size > 1; not with
+dp_replicate) splits every layer's heads and MLP over tp. PP and EP are refused.
 """
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import difflib
 import inspect
@@ -68,7 +74,7 @@ import torch
 
 from ..batch import required_multiple
 from ..errors import MissingDependencyError, PlanError, short_repr
-from ..plan import Plan, check_size, load_plan, read_yaml, reject_unknown_keys
+from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AC_MODES = ("off", "every_layer")
@@ -95,12 +101,14 @@ class TrainSettings:
     metrics_file: str | None = None
     verify: bool = False
     verify_rtol: float = 1e-4
+    collective_timeout_s: float = 300.0
 
     def validate(self) -> "TrainSettings":
         for name in ("steps", "seq_len", "batch_size"):
             check_size(f"train.{name}", getattr(self, name))
         check_positive_number("train.lr", self.lr)
         check_positive_number("train.verify_rtol", self.verify_rtol)
+        check_positive_number("train.collective_timeout_s", self.collective_timeout_s)
         if self.grad_clip is not None:
             check_positive_number("train.grad_clip", self.grad_clip)
         if type(self.seed) is not int:
@@ -112,6 +120,8 @@ class TrainSettings:
         check_choice("train.device", self.device, ("cpu", "cuda", "npu"))
         for name in ("compile_backend", "dump_dir", "metrics_file"):
             check_optional_string(f"train.{name}", getattr(self, name))
+        if self.compile_backend is not None:
+            check_compile_backend("train.compile_backend", self.compile_backend)
         check_bool("train.verify", self.verify)
         self.precision_policy()
         return self
@@ -184,6 +194,8 @@ class DataSettings:
             raise PlanError("data.path", f"data.source {self.source} needs the path of a local file")
         elif not os.path.isfile(self.path):
             raise PlanError("data.path", f"no such file: {short_repr(self.path)}")
+        else:
+            check_text_file("data.path", self.path)
         return self
 
 
@@ -232,6 +244,7 @@ def load_train_config(source: str | dict) -> TrainConfig:
     if not isinstance(raw, dict):
         raise PlanError("<config>", f"must be a mapping, got {type(raw).__name__}")
     raw = dict(raw)
+    _reject_unknown_sections(raw)
     model = raw.pop("model", None)
     sections = {name: _section(name, raw.pop(name, None), cls) for name, cls in SECTIONS.items()}
     model = _check_model_section(model)
@@ -248,6 +261,18 @@ def load_train_config(source: str | dict) -> TrainConfig:
     # model_config refuses a model type or key transformers does not know, before any process starts
     _check_tensor_parallel(config, model_config(model))
     return config
+
+
+def _reject_unknown_sections(raw: dict) -> None:
+    """A top-level key that is neither a trainer section nor a plan key, named with the trainer's
+    allowed keys (the plan's check would name only its own two) and the closest one."""
+    allowed = ("model", *SECTIONS, *TOP_LEVEL_KEYS)
+    for key in raw:
+        if key not in allowed:
+            close = difflib.get_close_matches(str(key), allowed, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            name = key if isinstance(key, str) else short_repr(key)
+            raise PlanError(name, f"unknown section; allowed: {', '.join(allowed)}{hint}")
 
 
 def _check_tensor_parallel(config: TrainConfig, transformers_config) -> None:
@@ -309,6 +334,9 @@ def _check_batch(config: TrainConfig) -> None:
                                             f"data-parallel replicas, got {settings.batch_size}")
     layout = plan.layout()
     if layout is None:
+        if plan.cp_size > 1:  # what `compile` refuses (CoverageError), said here before any process starts
+            raise PlanError("plan_overrides", f"is empty with cp_size={plan.cp_size}: CP>1 needs an override "
+                                              "naming the method of every attention (docs/plans.md)")
         return
     multiple = required_multiple(layout, plan.cp_size)
     if settings.seq_len % multiple:
@@ -341,6 +369,36 @@ def check_choice(field: str, value: Any, choices) -> None:
 def check_bool(field: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise PlanError(field, f"must be true or false, got {short_repr(value)}")
+
+
+def check_compile_backend(field: str, name: str) -> None:
+    """A `torch.compile` backend this torch knows (registered ones included): an unknown name
+    would fail only when the first layer compiles, after the model was built."""
+    import torch._dynamo  # noqa: F401  (registers the backends; imported only when one is asked for)
+
+    if name not in torch.compiler.list_backends(exclude_tags=()):
+        raise PlanError(field, f"{short_repr(name)} is not a torch.compile backend; known: "
+                               f"{', '.join(torch.compiler.list_backends())}")
+
+
+# How much of a data file the config reads to tell text from binary (the loader reads it all later).
+TEXT_CHECK_BYTES = 1 << 16
+
+
+def check_text_file(field: str, path: str) -> None:
+    """The file starts as UTF-8 text without NUL bytes: a binary file (an archive, a tokenized
+    .bin) is said here, naming the field, rather than as a decode error at the first batch."""
+    with open(path, "rb") as handle:
+        head = handle.read(TEXT_CHECK_BYTES)
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)  # a cut last character is fine
+    except UnicodeDecodeError as exc:
+        raise PlanError(field, f"{short_repr(path)} is not UTF-8 text (byte {exc.start}): the text and jsonl "
+                               "sources read text files") from exc
+    nul = head.find(bytes(1))
+    if nul >= 0:
+        raise PlanError(field, f"{short_repr(path)} holds NUL bytes (byte {nul}): a binary file, not text; the "
+                               "text and jsonl sources read text files")
 
 
 def check_optional_string(field: str, value: Any) -> None:

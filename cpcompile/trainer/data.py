@@ -50,8 +50,11 @@ class ByteTokenizer:
 
 def read_documents(data: DataSettings) -> list[str]:
     """The documents of a local file: blank-line separated (text), or one JSON object a line (jsonl)."""
-    with open(data.path, encoding="utf-8") as handle:
-        content = handle.read()
+    try:
+        with open(data.path, encoding="utf-8") as handle:
+            content = handle.read()
+    except UnicodeDecodeError as exc:  # past the part the config checked (config.check_text_file)
+        raise PlanError("data.path", f"{data.path} is not UTF-8 text (byte {exc.start})") from exc
     if data.source == "text":
         documents = [doc.strip() for doc in content.split("\n\n")]
     else:

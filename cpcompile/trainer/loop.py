@@ -13,6 +13,7 @@ backend).
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import math
 import os
 import time
@@ -22,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch import IGNORE_INDEX, global_shift_labels, shard_batch
+from ..batch import IGNORE_INDEX, global_shift_labels, required_multiple, shard_batch
 from ..dump import prepare_dump_dir
 from ..errors import CPConfigError, PlanError, VerificationError
 from ..loss import global_mean_loss
@@ -34,6 +35,8 @@ from . import checkpoint
 from .config import DTYPES, TrainConfig, TrainSettings
 from .data import TokenStream
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
+from .progress import Progress
+from .startup import check_before_building
 from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, build_model,
                           compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, parameter_count, rewritten_regions,
                           use_cpcompile_gdn)
@@ -45,7 +48,8 @@ def check_world_size(plan: Plan) -> None:
     want = plan.accelerator.world_size
     if world == want:
         return
-    launch = f"launch one per rank: torchrun --nproc-per-node {want} ..."
+    launch = (f"launch one per rank: python -m cpcompile train --nproc-per-node {want} CONFIG (or torchrun "
+              f"--nproc-per-node {want} -m cpcompile ...)")
     if want == plan.cp_size:  # CP only: name the one size that sets the count
         raise PlanError("accelerator.cp_size", f"is {want} but the job has {world} process(es); {launch}")
     raise PlanError("accelerator", f"needs {plan.accelerator.world_size_formula()} processes but the job has "
@@ -111,6 +115,7 @@ class Trainer:
     replica: int
     references: dict
     gradient_scale: int
+    progress: Progress
 
     def step(self, index: int) -> dict:
         settings = self.config.train
@@ -119,11 +124,14 @@ class Trainer:
             torch.cuda.synchronize()
         start = time.perf_counter()
         lr = self.scheduler.get_last_lr()[0]
+        self.progress.at("forward", index + 1)
         batch = self.stream.batch(index, self.replica, self.config.dp_size)
         inputs, targets = _split_targets(shard_batch(batch, self.mesh, self.config.plan))
         local_sum = token_loss_sum(self.model, inputs, targets)
         loss = global_mean_loss(local_sum, (targets != IGNORE_INDEX).sum(), self.mesh)
+        self.progress.at("backward")
         (loss * self.gradient_scale).backward()
+        self.progress.at("optimizer")
         grad_norm = self._clip()
         record = {"step": index + 1, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr}
         for name, reference in self.references.items():
@@ -177,10 +185,13 @@ def _reference_step(reference: tuple, batch: dict) -> float:
     return loss.item()
 
 
-def build_trainer(config: TrainConfig) -> Trainer:
+def build_trainer(config: TrainConfig, progress: Progress | None = None) -> Trainer:
     settings = config.train
+    progress = progress or Progress(settings.collective_timeout_s)
     check_world_size(config.plan)
-    mesh = build_mesh(config.plan.accelerator, device_type=settings.device)
+    progress.at("start")
+    mesh = build_mesh(config.plan.accelerator, device_type=settings.device,
+                      timeout=datetime.timedelta(seconds=settings.collective_timeout_s))
     root = mesh.root
     replica = root.get_local_rank("dp_replicate") * config.plan.accelerator.dp_shard_size + \
         root.get_local_rank("dp_shard")
@@ -190,7 +201,9 @@ def build_trainer(config: TrainConfig) -> Trainer:
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
     if config.plan.accelerator.tp_size > 1:
         apply_tensor_parallel(model, mesh)
+    progress.at("compile")
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=_split_targets(first)[0])
+    progress.at("start")
     use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     if settings.ac_mode == "every_layer":
         apply_activation_checkpointing(model)
@@ -200,7 +213,7 @@ def build_trainer(config: TrainConfig) -> Trainer:
     apply_fsdp(model, sharding, settings)
     optimizer, scheduler = build_optimizer(model, config)
     return Trainer(config, mesh, model, optimizer, scheduler, stream, replica, _references(config),
-                   gradient_scale(sharding))
+                   gradient_scale(sharding), progress)
 
 
 def _references(config: TrainConfig) -> dict[str, tuple]:
@@ -224,16 +237,23 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     """Run the loop; -> one record per step run: step, loss, grad_norm, lr, seconds, tokens_per_s,
     peak_memory_gib (and with `verify` reference_loss, fp32_reference_loss in bfloat16). Call
     inside an initialised process group of the mesh's size (torchrun), or let `build_mesh` make
-    one. `stop_after` ends the run after that step (as a preempted job would), schedule unchanged.
-    With `checkpoint.folder`, a checkpoint is saved every `interval` steps and after the last
-    step run; the latest one there is resumed from when `checkpoint.resume`."""
+    one (with `train.collective_timeout_s`). `stop_after` ends the run after that step (as a
+    preempted job would), schedule unchanged. With `checkpoint.folder`, a checkpoint is saved
+    every `interval` steps and after the last step run; the latest one there is resumed from when
+    `checkpoint.resume`. A collective that fails is a `CollectiveError` naming the step and phase
+    (progress.py)."""
+    progress = Progress(config.train.collective_timeout_s)
+    with progress.reporting():
+        return _train(config, log, stop_after, progress)
+
+
+def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress) -> list[dict]:
     settings, saving = config.train, config.checkpoint
-    latest = checkpoint.latest_step(saving.folder) if saving.resume else None
-    if latest is not None:
-        checkpoint.check_resumable(saving.folder, latest, config.plan.accelerator)
-    trainer = build_trainer(config)
+    latest = check_before_building(config)
+    trainer = build_trainer(config, progress)
     first = 0
     if latest is not None:
+        progress.at("checkpoint load")
         first = checkpoint.load(saving.folder, latest, trainer.model, trainer.optimizer, trainer.scheduler)
         if is_rank_zero():
             log(f"resumed from {checkpoint.step_folder(saving.folder, latest)} at step {first}")
@@ -247,11 +267,13 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
             metrics.step(record)
             check_finite(record)
             if settings.verify:
+                progress.at("verify")
                 _verify(record, settings, trainer.mesh)
             done = index + 1
             if saving.folder and ((saving.interval and done % saving.interval == 0) or done == last):
+                progress.at("checkpoint save")
                 checkpoint.save(saving.folder, done, trainer.model, trainer.optimizer, trainer.scheduler,
-                                checkpoint.mesh_sizes(config.plan.accelerator))
+                                checkpoint.run_facts(config))
     finally:
         metrics.close()
     if is_rank_zero():
@@ -261,10 +283,33 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     return records
 
 
+# Tokens per CP rank of the dry run's probe batch: enough for every method (a GDN conv kernel's
+# halo, Head-Tail's two chunks), little enough that the probe forward costs nothing.
+DRY_RUN_TOKENS_PER_RANK = 16
+
+
+def dry_run_seq_len(config: TrainConfig) -> int:
+    """The dry run's sequence length: `train.seq_len` cut to about `DRY_RUN_TOKENS_PER_RANK` per CP
+    rank, a multiple of what the plan's layout needs."""
+    plan = config.plan
+    layout = plan.layout()
+    multiple = required_multiple(layout, plan.cp_size) if layout is not None else 1
+    short = math.ceil(DRY_RUN_TOKENS_PER_RANK * plan.cp_size / multiple) * multiple
+    return min(short, config.train.seq_len)
+
+
 def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     """Build everything a run builds, print the mesh, the plan's coverage and a memory estimate
-    per rank, and run no step; -> the same facts as a dict."""
-    trainer = build_trainer(config)
+    per rank, and run no step; -> the same facts as a dict. The model is built and rewritten
+    from a short probe batch (`dry_run_seq_len`): the regions and their methods do not depend on
+    the length, and a probe forward at `train.seq_len` could take minutes; the estimate is for
+    `train.seq_len`."""
+    check_before_building(config)
+    probe = dry_run_seq_len(config)
+    probe_config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=probe))
+    progress = Progress(config.train.collective_timeout_s)
+    with progress.reporting():
+        trainer = build_trainer(probe_config, progress)
     accelerator = config.plan.accelerator
     regions = rewritten_regions(trainer.model)
     estimate = memory_estimate(config, parameter_count(trainer.model), trainer.model.config)
@@ -272,11 +317,12 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
         log(f"mesh: {accelerator.world_size_formula()}; FSDP2 over dp_shard x cp = "
             f"{accelerator.dp_shard_size * accelerator.cp_size} ranks, replicated over dp_replicate = "
             f"{accelerator.dp_replicate_size}; tensor parallel over tp = {accelerator.tp_size}")
-        log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size}")
+        log(f"plan coverage: {len(regions)} region(s) rewritten for CP={config.plan.cp_size} (traced on a probe "
+            f"batch of {probe} of train.seq_len's {config.train.seq_len} tokens per sequence)")
         for name, method in regions:
             log(f"  {name}: {method}")
         log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
-    return {"regions": regions, "memory_gib": estimate}
+    return {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe}
 
 
 def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:

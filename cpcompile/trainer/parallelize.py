@@ -65,6 +65,15 @@ def build_model(raw_model_config: dict, settings: TrainSettings) -> torch.nn.Mod
     return model.to(device=settings.device, dtype=DTYPES[settings.dtype])
 
 
+def meta_model(raw_model_config: dict) -> torch.nn.Module:
+    """The model on the meta device: its parameter names and shapes, at no cost (start-up checks)."""
+    transformers = transformers_module()
+    config = model_config(raw_model_config)
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+
 def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool = False) -> int:
     """Route every GDN layer that CP did not rewrite through cpcompile's statement of the layer
     with the `backend` core (the same algorithm as the rewritten layers); -> how many.
@@ -157,11 +166,13 @@ def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
     it shares the tp mesh's parent, as FSDP2 requires), with `dp_replicate` in front (HSDP) when
     it is > 1 (built as its own 2-D mesh: the root is pp x dp_replicate x dp_shard x cp x tp with
     pp = tp = 1, since the config refuses HSDP + TP, so the ranks are in the same order)."""
-    accelerator = mesh.accelerator
+    accelerator, options = mesh.accelerator, mesh.group_options()  # the run's collective timeout
     if accelerator.dp_replicate_size == 1:
-        return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp")
+        return mesh.root[("dp_shard", "cp")]._flatten("dp_shard_cp", backend_override=options)
     shape = (accelerator.dp_replicate_size, accelerator.dp_shard_size * accelerator.cp_size)
-    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=("dp_replicate", "dp_shard_cp"))
+    names = ("dp_replicate", "dp_shard_cp")
+    return init_device_mesh(mesh.device_type, shape, mesh_dim_names=names,
+                            backend_override={name: options for name in names} if options is not None else None)
 
 
 def apply_fsdp(model: torch.nn.Module, mesh: DeviceMesh, settings: TrainSettings) -> None:

@@ -68,7 +68,17 @@ def _all_checks(rank: int, world: int) -> dict:
         holder = QKVHolder()
         cpcompile.compile(holder, mesh, sdpa_plan(2, wrapper="sdpa_qkv", match="core"))
 
+    def blank_overrides_line():  # `plan_overrides:` with nothing after it is YAML null
+        import tempfile
+
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as handle:
+            handle.write("accelerator: {cp_size: 2}\nplan_overrides:\n")
+        compile_with(handle.name)
+
     checks = {
+        "empty_plan": lambda: compile_with(dict(sdpa_plan(2), plan_overrides=[])),
+        "blank_plan": blank_overrides_line,
+        "matches_nothing": lambda: compile_with(plan_with("*.attention", "lm_head.*")),
         "uncovered": lambda: compile_with(plan_with("model.layers.0.self_attn")),
         "doubly_covered": lambda: compile_with(plan_with("*.self_attn", "model.layers.0.*")),
         "nested": lambda: compile_with(plan_with("*.self_attn", "model.layers.0")),
@@ -105,6 +115,9 @@ def outcome(name):
 
 
 @pytest.mark.parametrize("name, error, words", [
+    ("empty_plan", "CoverageError", ["cp_size=2", "no plan_overrides"]),
+    ("blank_plan", "CoverageError", ["cp_size=2", "no plan_overrides"]),
+    ("matches_nothing", "PlanError", ["plan_overrides[0].match", "matches no module"]),
     ("uncovered", "CoverageError", ["model.layers.1.self_attn", "not covered"]),
     ("doubly_covered", "PlanError", ["model.layers.0.self_attn", "also matched"]),
     ("nested", "PlanError", ["model.layers.0.self_attn", "inside", "model.layers.0"]),
@@ -114,7 +127,8 @@ def outcome(name):
     ("tp_not_applied", "UnsupportedError", ["accelerator.tp_size=2", "no parameter", "tensor parallelism first"]),
     ("inference_cache", "CPInputError", ["use_cache=False", "cache"]),
     ("sliding_window", "UnsupportedMaskError", ["sliding-window"]),
-    ("eager_attention", "CoverageError", ["ran no sdpa core"]),
+    ("eager_attention", "CoverageError", ["ran no sdpa core", "attn_implementation='eager'",
+                                          'attn_implementation="sdpa"']),
     ("cross_lengths", "CPInputError", ["4 queries but 6 keys"]),
     ("not_hf_without_example", "CPInputError", ["example_inputs"]),
 ])

@@ -185,3 +185,27 @@ def test_values_in_errors_are_truncated():
         with pytest.raises(PlanError) as info:
             load_plan(plan)
         assert len(str(info.value)) < 1000, str(info.value)[:300]
+
+
+@pytest.mark.parametrize("text, line", [
+    ("accelerator: {cp_size: 2}\naccelerator: {cp_size: 4}\n", 2),  # a whole section twice
+    ("accelerator:\n  cp_size: 2\n  dp_shard_size: 1\n  cp_size: 4\n", 4),
+])
+def test_a_key_given_twice_is_refused(tmp_path, text, line):
+    """YAML keeps the last of two equal keys, silently; a plan or train config refuses them."""
+    path = tmp_path / "plan.yaml"
+    path.write_text(text)
+    with pytest.raises(PlanError) as info:
+        load_plan(path)
+    assert info.value.field == str(path) and f"line {line}" in info.value.reason and "twice" in info.value.reason
+
+
+def test_a_merge_may_still_override_what_it_brings(tmp_path):
+    path = tmp_path / "plan.yaml"
+    path.write_text(textwrap.dedent("""\
+        accelerator: {cp_size: 2}
+        plan_overrides:
+          - &o {match: "*.self_attn", when: cp, region_dispatch: false, inner_wrapper: sdpa_hf}
+          - {<<: *o, match: "*.cross_attn"}
+        """))
+    assert [o.match for o in load_plan(path).overrides] == ["*.self_attn", "*.cross_attn"]

@@ -1,6 +1,8 @@
 """What `cpcompile train` tells a user (issue 12, items 9-11): an error is one line from rank 0
 naming its field, `--debug` keeps the traceback, a verify run that misses its tolerance says FAIL
-and exits non-zero, and a missing transformers names the extra that brings it."""
+and exits non-zero, and a missing transformers names the extra that brings it; and the README's
+own launch, `python -m cpcompile train --nproc-per-node 2 CONFIG`, keeps that contract (issue 31,
+item 7): one line, exit status 2, whether the launcher or a worker finds the error."""
 from __future__ import annotations
 
 import contextlib
@@ -9,6 +11,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import yaml
 
 from cp_harness import sdpa_plan
@@ -105,9 +108,57 @@ def test_a_missing_transformers_names_the_extra(tmp_path):
     assert res.stderr.count("\n") == 1 and 'pip install "cpcompile[train]"' in res.stderr, res.stderr[-3000:]
 
 
+@pytest.mark.parametrize("content", ['{"regions": [{"fqn": "x"', '{"regions": 3}', '[1, 2]', "\udcff"],
+                         ids=["cut", "wrong-type", "not-a-summary", "not-utf8"])
+def test_inspect_of_a_damaged_summary_is_one_line(tmp_path, capsys, content):
+    from cpcompile.cli import main
+
+    (tmp_path / "summary.json").write_text(content, errors="surrogateescape")
+    assert main(["inspect", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("cpcompile inspect: error: ") and "summary.json is damaged" in err, err
+
+
 def test_inspect_of_a_missing_folder_is_one_line(tmp_path, capsys):
     from cpcompile.cli import main
 
     assert main(["inspect", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("cpcompile inspect: error: ") and "nowhere" in err, err
+
+
+README_TRAIN = ["-m", "cpcompile", "train", "--nproc-per-node", "2"]  # the README's launch, after .venv/bin/python
+EXAMPLE = os.path.join("examples", "train_qwen3_5_p2p.yaml")
+
+
+def _readme_launch(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, **(env or {})}
+    return subprocess.run([sys.executable, *README_TRAIN, *args], capture_output=True, text=True, timeout=300,
+                          cwd=ROOT, env=env)
+
+
+def test_the_readme_launch_says_a_config_error_in_one_line():
+    """Found by the launcher, before any worker starts."""
+    res = _readme_launch(EXAMPLE, "--steps", "0")
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr == "cpcompile train: error: train.steps: must be an integer >= 1, got 0\n", res.stderr[-3000:]
+
+
+def test_the_readme_launch_says_a_worker_error_in_one_line(tmp_path):
+    """Found by the workers (the dump folder is made by each rank as it builds): rank 0's line is
+    all, and the launcher exits with the workers' status."""
+    (tmp_path / "file").write_text("")
+    config = yaml.safe_load(open(os.path.join(ROOT, EXAMPLE), encoding="utf-8"))
+    config["train"]["dump_dir"] = str(tmp_path / "file")
+    path = tmp_path / "train.yaml"
+    path.write_text(yaml.safe_dump(config))
+    res = _readme_launch(str(path))
+    assert res.returncode == 2, res.stderr[-3000:]
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("cpcompile train: error: train.dump_dir: "), \
+        res.stderr[-3000:]
+
+
+def test_nproc_per_node_must_be_the_mesh_size():
+    res = _readme_launch(EXAMPLE, "--nproc-per-node", "3")
+    assert res.returncode == 2 and res.stderr.startswith("cpcompile train: error: --nproc-per-node: is 3"), res.stderr

@@ -70,6 +70,54 @@ def test_fsdp_x_cp_matches_one_process_over_20_float64_steps(tmp_path):
         assert os.path.getsize(result.plot) > 0
 
 
+def _never(*_):
+    raise AssertionError("a run was launched")
+
+
+@pytest.mark.parametrize("steps, rtol, field", [(0, 1e-6, "--steps"), (-3, 1e-6, "--steps"), (2, -1.0, "--rtol")])
+def test_compare_checks_its_arguments_before_launching(tmp_path, steps, rtol, field):
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer.compare import compare_configs
+
+    example = os.path.join(EXAMPLES, "parity_qwen3_5_single.yaml")
+    with pytest.raises(PlanError) as info:
+        compare_configs(example, example, steps, rtol, str(tmp_path / "out"), launch=_never)
+    assert info.value.field == field, info.value
+
+
+def test_compare_checks_both_configs_before_launching(tmp_path):
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer.compare import compare_configs
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model: {model_type: qwen3_5_text}\ntrain: {steps: -1}\n")
+    with pytest.raises(PlanError) as info:
+        compare_configs(os.path.join(EXAMPLES, "parity_qwen3_5_single.yaml"), str(bad), 2, 1e-6,
+                        str(tmp_path / "out"), launch=_never)
+    assert info.value.field == "train.steps", info.value
+
+
+def test_compare_steps_0_is_one_line_from_the_command(capsys):
+    from cpcompile.cli import main
+
+    example = os.path.join(EXAMPLES, "parity_qwen3_5_single.yaml")
+    assert main(["compare", example, example, "--steps", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err == "cpcompile compare: error: --steps: must be an integer >= 1, got 0\n", err
+
+
+def test_compare_out_is_ignored_by_git():
+    """`compare`'s default output folder is made in the working directory: not something to commit."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or not os.path.isdir(os.path.join(ROOT, ".git")) and \
+            not os.path.isfile(os.path.join(ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    res = subprocess.run(["git", "check-ignore", "-q", "compare_out/compare.md"], cwd=ROOT)
+    assert res.returncode == 0, "compare_out/ is not in .gitignore"
+
+
 @pytest.mark.parametrize("b_loss, b_steps, passes", [(2.0, 3, True), (2.001, 3, False), (2.0, 2, False),
                                                      (float("nan"), 3, False)])
 def test_the_judge_fails_a_difference_a_missing_step_or_nan(b_loss, b_steps, passes):

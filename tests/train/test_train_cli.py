@@ -55,6 +55,8 @@ def test_losses_follow_the_unrewritten_model(model):
 
 @pytest.mark.parametrize("edit, field", [
     (lambda c: c["train"].update(epochs=2), "train.epochs"),
+    (lambda c: c.update(plan_overrides=[]), "plan_overrides"),
+    (lambda c: c.update(plan_overrides=None), "plan_overrides"),  # a blank `plan_overrides:` line
     (lambda c: c.pop("model"), "model"),
     (lambda c: c["model"].pop("model_type"), "model"),
     (lambda c: c["train"].update(dtype="float16"), "train.dtype"),
@@ -82,6 +84,8 @@ def test_losses_follow_the_unrewritten_model(model):
     (lambda c: c["train"].update(verify_rtol=0), "train.verify_rtol"),
     (lambda c: c["train"].update(verify="yes"), "train.verify"),
     (lambda c: c["train"].update(dump_dir=["x"]), "train.dump_dir"),
+    (lambda c: c["train"].update(compile_backend="inductr"), "train.compile_backend"),
+    (lambda c: c["train"].update(collective_timeout_s=0), "train.collective_timeout_s"),
 ])
 def test_config_errors_name_the_field(edit, field):
     from cpcompile.errors import PlanError
@@ -92,6 +96,37 @@ def test_config_errors_name_the_field(edit, field):
     with pytest.raises(PlanError) as info:
         load_train_config(config)
     assert info.value.field == field, info.value
+
+
+@pytest.mark.parametrize("content", [b"\x1f\x8b\x08\x00\xff\xfe binary", b"tokens\x00\x00\x01\x02"],
+                         ids=["not-utf8", "nul-bytes"])
+@pytest.mark.parametrize("source", ["text", "jsonl"])
+def test_a_binary_data_file_names_the_field(tmp_path, content, source):
+    """A binary file (an archive, tokenized ids) used to be a UnicodeDecodeError at the first batch."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+
+    (tmp_path / "data.bin").write_bytes(content)
+    config = _config(2, 0)
+    config["data"] = {"source": source, "path": str(tmp_path / "data.bin")}
+    with pytest.raises(PlanError) as info:
+        load_train_config(config)
+    assert info.value.field == "data.path" and "data.bin" in info.value.reason, info.value
+
+
+def test_a_misspelt_section_is_told_the_trainer_sections():
+    """`optimiser:` used to be told the plan's two keys (accelerator, plan_overrides)."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+
+    config = _config(2, 0)
+    config["optimiser"] = {"warmup_steps": 2}
+    with pytest.raises(PlanError) as info:
+        load_train_config(config)
+    assert info.value.field == "optimiser", info.value
+    for word in ("model", "train", "optimizer", "data", "checkpoint", "accelerator", "plan_overrides",
+                 "did you mean 'optimizer'"):
+        assert word in info.value.reason, info.value
 
 
 def test_model_keys_transformers_converts_are_kept():
@@ -119,22 +154,29 @@ def test_an_unwritable_dump_dir_names_the_field(tmp_path):
     assert rank_dump_dir(str(tmp_path / "dump"), 1) == str(tmp_path / "dump" / "rank1")
 
 
-def _cli(verb: str, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "cpcompile",
-           verb, os.path.join(ROOT, "examples", "train_qwen3_5_p2p.yaml"), *args]
+def _cli(verb: str, *args: str, torchrun: bool = False) -> str:
+    """`verb` on the example config: as the README launches it (`python -m cpcompile VERB
+    --nproc-per-node 2 CONFIG`), or under torchrun."""
+    path = os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    config = os.path.join(ROOT, "examples", "train_qwen3_5_p2p.yaml")
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
+               "cpcompile", verb, config, *args]
+    else:
+        cmd = [sys.executable, "-m", "cpcompile", verb, "--nproc-per-node", "2", config, *args]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-3000:]
     return res.stdout
 
 
-def test_cli_trains_the_example_under_torchrun():
+def test_cli_trains_the_example_as_the_readme_launches_it():
     out = _cli("train", "--steps", "2")
     assert "step 2/2" in out and "CP=1 loss" in out and "verify: PASS" in out, out
 
 
 def test_cli_benches_the_example_under_torchrun():
-    out = _cli("bench", "--warmup", "0", "--repeat", "1", "--full-sequence")
+    out = _cli("bench", "--warmup", "0", "--repeat", "1", "--full-sequence", torchrun=True)
     rows = [line for line in out.splitlines() if line.startswith("| ") and "variant" not in line]
     assert [r.split("|")[2].strip() for r in rows] == ["64", "64", "128"], out
     assert rows[0].startswith("| CP=2: gdn:p2p") and "sdpa:all_gather" in rows[0], out

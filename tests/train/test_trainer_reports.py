@@ -62,6 +62,26 @@ def test_rank_0_logs_steps_a_summary_and_jsonl_and_dry_run_reports(tmp_path):
         assert abs(got["loss"] - want["loss"]) <= 2e-2 * want["loss"], (rank0["bf16"], rank0["records"])
 
 
+def _dry_run_at(rank: int, world: int, seq_len: int) -> tuple[list[str], dict]:
+    from cpcompile.trainer import dry_run, load_train_config
+
+    config = _config(0)
+    config["train"]["seq_len"] = seq_len
+    lines = []
+    facts = dry_run(load_train_config(config), log=lines.append)
+    return lines, facts
+
+
+def test_a_dry_run_at_a_huge_length_traces_a_short_probe_and_says_so():
+    """seq_len 1048576 (issue 31): the dry run used to run its probe forward on the whole
+    sequence, silently, for minutes; it traces a 32-token probe batch and says it, while the
+    memory estimate is still for the whole length."""
+    lines, facts = run_distributed(_dry_run_at, 2, 1 << 20, timeout=120)[0]
+    assert facts["probe_seq_len"] == 32, facts
+    assert "probe batch of 32 of train.seq_len's 1048576 tokens" in lines[1], lines
+    assert facts["memory_gib"]["logits"] > 1.0, facts  # 512K tokens x 260 ids x 12 bytes a rank
+
+
 def test_byte_tokenizer_rows_hold_one_document_each(tmp_path):
     from cpcompile.trainer.config import DataSettings, TrainSettings
     from cpcompile.trainer.data import TokenStream
