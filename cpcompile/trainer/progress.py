@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch.distributed as dist
 
 from ..errors import CPCompileError
+from ..finite import set_step
 
 # What gloo says when a collective fails (it raises a plain RuntimeError): the wait ran out, or
 # the peer's end of the connection went away.
@@ -42,6 +43,7 @@ class Progress:
         self.phase = phase
         if step is not None:
             self.step = step
+            set_step(step)  # what CPCOMPILE_CHECK_FINITE=1 names (finite.py)
 
     def where(self) -> str:
         return f"step {self.step}, {self.phase}" if self.step is not None else f"before step 1, {self.phase}"

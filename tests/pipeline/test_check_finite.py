@@ -76,3 +76,15 @@ def test_guard_on_a_compiled_model():
                                     "cp rank(s) [1] at forward call 2 of this region (its inputs were finite"), with_guard
     without = run_distributed(_step_with_nan_weight, 2, False)
     assert without[1] == "loss nan", without  # off by default: the NaN reaches the loss unnamed
+
+
+def test_trainer_steps_name_the_step():
+    """`cpcompile train` sets the step the guard names as it enters each step's forward."""
+    from cpcompile.trainer.progress import Progress
+
+    Progress(60.0).at("forward", 3)
+    try:
+        with pytest.raises(NonFiniteError, match="at step 3 "):
+            FiniteGuard("region").around([torch.ones(2)], lambda leaves: leaves[0] / 0)
+    finally:
+        set_step(None)
