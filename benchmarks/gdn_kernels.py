@@ -552,7 +552,7 @@ def ablation(T, warmup, repeat):
     NT = (T_ + 63) // 64
     gc, w, u, tinv = L.fwd_prepare(k, v, g, beta)
     out = {}
-    for block in (8, 16, 32, 64):  # the chunk inverse: diagonal blocks by substitution, then blocked steps
+    for block in (1, 8, 16, 32, 64):  # the chunk inverse: diagonal blocks by substitution, then blocked steps (1: doubling)
         out[f"fwd_prepare, inverse block {block}"] = time_cuda(lambda: K_.gdn_fwd_prepare_kernel[(NT, B_ * Hv)](
             k, v, g, beta, gc, w, u, tinv, T_, Hk=Hk, Hv=Hv, K=K, V=V, BT=64, BS=block, STORE_TINV=True,
             num_warps=L.NUM_WARPS["prepare"], **L._flags(k.dtype)), warmup, repeat)

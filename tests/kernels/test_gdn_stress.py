@@ -63,6 +63,18 @@ def test_triton_core_as_accurate_as_eager(regime, layout):
     _as_accurate_as_eager(stress_case(regime, LAYOUTS[layout], seed), "cpu", f"{regime} {layout}")
 
 
+@pytest.mark.skipif(not INTERPRET, reason="CPU interpreter set (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("regime", REGIMES, ids=REGIME_IDS)
+def test_doubling_inverse_as_accurate_as_eager(monkeypatch, regime):
+    """The recursive-doubling inverse (``launch.INVERSE_BLOCK = 1``, all tensor-core dots) in every regime."""
+    from cpcompile.kernels.gdn.triton import launch
+
+    monkeypatch.setattr(launch, "INVERSE_BLOCK", 1)
+    seed = 7 + REGIMES.index(regime)
+    layout = LAYOUTS["partial-grouped-h0"]
+    _as_accurate_as_eager(stress_case(regime, layout, seed), "cpu", f"{regime} doubling")
+
+
 def test_key_cosine_of_the_generator():
     """The regimes are what their names say: mean key cosine within 0.05 of the target."""
     for cosine in KEY_COSINES:

@@ -118,7 +118,8 @@ P2P_IDENTITY_BV = 64
 # (results/gdn_p2p_output_variants_2026-12-01_NVIDIA-H200.md)
 P2P_CHAIN_BV = 32
 # rows of the diagonal blocks that prepare's chunk inverse inverts by forward substitution (on the CUDA
-# cores, BS - 1 steps) before its blocked steps (tensor-core dots, CHUNK_SIZE / BS - 1 of them)
+# cores, BS - 1 steps) before its blocked steps (tensor-core dots, CHUNK_SIZE / BS - 1 of them); 1 selects
+# recursive doubling on the tensor cores alone (12 dots; exact in the interpreter, not yet timed on a GPU)
 INVERSE_BLOCK = 16
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
