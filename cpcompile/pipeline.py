@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .agreement import ITEM_SEPARATOR, agree, plan_fields
+from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
@@ -72,16 +72,30 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     build_subgroups(mesh, overrides)
     tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
     example = example_inputs if example_inputs is not None else default_example(model)
-    probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
-    check_coverage(targets, probe.core_sites)
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
     documents = DocumentFeed()
     if isinstance(example, dict):  # a packed example traces the regions that read documents for it
         documents.update(example.get("position_ids"))
-    installs = []
-    for target in targets:
-        args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents))
+    # From the probe to the last rewrite, a step may fail on this rank's own data (its mask, its
+    # positions) and on no other: nothing here communicates, and the outcome is agreed once at the
+    # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
+    installs: list[InstalledRegion] = []
+    signatures = {t.fqn: NOT_REACHED for t in targets}
+    try:
+        probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
+        check_coverage(targets, probe.core_sites)
+        for target in targets:
+            args, kwargs = probe.inputs[target.fqn]
+            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
+            signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
+            installs.append(installed)
+        failure = None
+    except Exception as exc:  # noqa: BLE001 -- re-raised below, on every rank, once the group agreed
+        failure = exc
+    fields = {f"inputs of region {fqn}": signature for fqn, signature in signatures.items()}
+    agree_on_outcome(mesh, "compiling the regions", fields, failure, CPInputError)
+    for installed in installs:
+        installed.agreed.add(installed.first_signature)
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     schedule_async_backward(mesh, overrides)
@@ -262,7 +276,10 @@ class InstalledRegion:
         # shared signatures the cp group agreed on; never dropped, unlike graphs: whether a call
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
-        self._build(*self._prepare(args, kwargs))
+        args, kwargs = self._prepare(args, kwargs)
+        # at compile the group agrees on every region's first signature and outcome at once (`compile`)
+        self.first_signature = shared_signature(args, kwargs)
+        self._build(args, kwargs, agree_now=False)
 
     def install(self) -> None:
         module = self.target.module
@@ -297,25 +314,33 @@ class InstalledRegion:
             self.programs.move_to_end(key)  # least recently used goes first
         return program(leaves)
 
-    def _agree_on(self, args: tuple, kwargs: dict) -> None:
-        """Have the cp group agree on this call's shared signature, the first time it is seen.
+    @torch.compiler.disable
+    def _build(self, args: tuple, kwargs: dict, agree_now: bool = True) -> RegionProgram:
+        """Trace, rewrite and cache the region for a call signature (args already prepared).
 
-        Every rank meets a new shared signature at the same call (one collective, before the
-        region's own); a graph of a known one (another rank-local mask, a graph dropped from the
-        cache) is traced without asking.
+        A shared signature not seen before is met by every rank at the same call: the trace and
+        the passes run without communicating, then the group agrees on the signature and on the
+        outcome in one gather before the region's own collectives, so a refusal found on one
+        rank's data (its mask) is raised on every rank (`agreement.agree_on_outcome`). A graph of
+        a known shared signature (another rank-local mask, a graph dropped from the cache) is
+        traced without asking: this rank may be alone in tracing it.
         """
         shared = shared_signature(args, kwargs)
-        if shared not in self.agreed:
-            fields = {"region": self.target.fqn, "inputs": ITEM_SEPARATOR.join(shared)}
-            agree(self.mesh, f"the inputs of region {self.target.fqn}", fields, CPInputError)
-            self.agreed.add(shared)
+        if not agree_now or shared in self.agreed:
+            return self._trace_and_rewrite(args, kwargs)
+        program, failure = None, None
+        try:
+            program = self._trace_and_rewrite(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank once the group agreed
+            failure = exc
+        fields = {"region": self.target.fqn, "inputs": ITEM_SEPARATOR.join(shared)}
+        agree_on_outcome(self.mesh, f"the inputs of region {self.target.fqn}", fields, failure, CPInputError)
+        self.agreed.add(shared)
+        return program
 
-    @torch.compiler.disable
-    def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
-        """Trace, rewrite and cache the region for a call signature (args already prepared)."""
+    def _trace_and_rewrite(self, args: tuple, kwargs: dict) -> RegionProgram:
         target = self.target
         leaves, key = flatten_call(target.fqn, args, kwargs)
-        self._agree_on(args, kwargs)
         self.traces += 1
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
