@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .audit.mixers import Mixer, mixer_audit
 from .methods import core_module_kind
 
 @dataclass
@@ -24,6 +25,9 @@ class ProbeResult:
     inputs: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
     # one entry per core call: (core kind, FQNs of the modules it ran inside, outermost first)
     core_sites: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    # modules outside the regions found mixing sequence positions: one chain per outermost one
+    mixers: list[list[Mixer]] = field(default_factory=list)
+    mixers_report: str = ""
 
 
 class _RecordSdpaCalls(TorchFunctionMode):
@@ -102,13 +106,15 @@ def _module_cores_stubbed(model: nn.Module):
 
 
 def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module]) -> ProbeResult:
-    """One forward (no grad) recording region inputs and where each core runs."""
+    """One forward (no grad) recording region inputs and where each core runs, auditing the modules
+    outside the regions for sequence mixing on the way (`audit.mixers`)."""
     result = ProbeResult()
     stack: list[str] = []
     # forked RNG: the probe must not change the random stream the user's training sees
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
-            _record_first_inputs(regions, result.inputs), _module_cores_stubbed(model):
+            _record_first_inputs(regions, result.inputs), _module_cores_stubbed(model), \
+            mixer_audit(model, list(regions), example) as audit:
         with _RecordSdpaCalls(stack, result.core_sites):
             if isinstance(example, dict):
                 model(**example)
@@ -116,6 +122,8 @@ def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module])
                 model(*example)
             else:
                 model(example)
+    if audit is not None:
+        result.mixers, result.mixers_report = audit.found, audit.report()
     return result
 
 

@@ -83,7 +83,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     signatures = {t.fqn: NOT_REACHED for t in targets}
     try:
         probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
-        check_coverage(targets, probe.core_sites)
+        check_coverage(targets, probe.core_sites, dict(model.named_modules()))
+        check_mixers(probe)
         for target in targets:
             args, kwargs = probe.inputs[target.fqn]
             installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
@@ -200,7 +201,8 @@ def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]
     return list(targets.values())
 
 
-def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]]) -> None:
+def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]],
+                   modules: dict[str, nn.Module] | None = None) -> None:
     """Every core runs inside exactly one region, of the kind its method rewrites."""
     by_fqn = {t.fqn: t for t in targets}
     seen: set[str] = set()
@@ -208,7 +210,9 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
         covering = [by_fqn[f] for f in stack if f in by_fqn]
         where = stack[-1] if stack else "<model>"
         if not covering:
-            raise CoverageError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
+            module = (modules or {}).get(where)
+            named = f"{where!r} ({type(module).__name__})" if module is not None else repr(where)
+            raise CoverageError(f"{kind} core in module {named} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
         target = covering[0]
         if target.override.method.core not in (kind, LOCAL_CORE):  # a local_compute_fn takes over any core
             raise CoverageError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
@@ -216,6 +220,17 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
     for target in targets:
         if target.fqn not in seen and target.override.method.core != LOCAL_CORE:
             raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {target.override.method.core} core in the probe forward")
+
+
+def check_mixers(probe) -> None:
+    """Refuse the modules outside the regions that mix sequence positions (`audit.mixers`): each
+    rank would run them on its own slice alone."""
+    if probe.mixers:
+        raise CoverageError(
+            f"{len(probe.mixers)} module(s) outside the CP regions mix positions of the sequence, so each rank would "
+            f"run them on its own slice alone (silently wrong under CP): {probe.mixers_report}. Give each a CP method "
+            "in the plan (an override matching it), or use a model without them; position-wise modules (MLP, norms, "
+            "rotary) pass this check")
 
 
 def default_example(model: nn.Module) -> dict:

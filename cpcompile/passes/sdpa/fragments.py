@@ -176,5 +176,27 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
     scale = match.scale if match.scale is not None else q.shape[-1] ** -0.5
     note_once(ctx, f"local attention: {kernel} blocks (one unpadded document), {masked_kernel} with padded keys "
                    "or documents; nothing S_q x S_kv")
-    return emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
-                     masked_kernel, query_positions, fake=local_attention_fake)
+    query, key, value, value_size = equal_head_sizes(emit, ctx, query, key, value)
+    output = emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
+                       masked_kernel, query_positions, fake=local_attention_fake)
+    if val(output).shape[-1] != value_size:
+        output = emit(aten.slice.Tensor, output, 3, 0, value_size)
+    return output
+
+
+def equal_head_sizes(emit: Emitter, ctx: PassContext, query: fx.Node, key: fx.Node,
+                     value: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int]:
+    """Q, K and V with one head size, and V's own. Multi-head latent attention (DeepSeek-V3) has a
+    value head size other than the query/key one, which the fused kernels refuse; padding the
+    smaller side with zeros is exact (zero query/key columns add nothing to a score, zero value
+    columns give zero output columns, cut off after) and costs only the padded columns, after the
+    collectives: K and V travel at their own sizes. The softmax scale was taken from Q before."""
+    qk_size, value_size = val(query).shape[-1], val(value).shape[-1]
+    if qk_size == value_size:
+        return query, key, value, value_size
+    width = max(qk_size, value_size)
+    note_once(ctx, f"value head size {value_size} differs from the query/key head size {qk_size} (multi-head latent "
+                   f"attention): the smaller padded with zeros to {width} for the local kernels, the output cut back")
+    query, key, value = (x if val(x).shape[-1] == width else emit(aten.constant_pad_nd.default, x, [0, width - val(x).shape[-1]])
+                         for x in (query, key, value))
+    return query, key, value, value_size
