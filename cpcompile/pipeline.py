@@ -23,6 +23,8 @@ from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
 from .passes.backward_schedule import enable_for_groups
 from .plan import Override, load_plan
+from .rope import find_call_dependent_rotaries, install_step_rope
+from .rope import state_kept as rope_state_kept
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 from .tp import check_tp_applied, find_tp_linears, full_gradients_for_replicated_params, local_tp_view, tp_size
 
@@ -81,8 +83,11 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
     installs: list[InstalledRegion] = []
     signatures = {t.fqn: NOT_REACHED for t in targets}
+    # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
+    rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
     try:
-        probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
+        with rope_state_kept(rotaries):
+            probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
         check_coverage(targets, probe.core_sites, dict(model.named_modules()))
         check_mixers(probe)
         for target in targets:
@@ -99,6 +104,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         installed.agreed.add(installed.first_signature)
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
+    install_step_rope(rotaries, mesh)
     schedule_async_backward(mesh, overrides)
     reads_batch_marks = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
     guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_batch_marks)
