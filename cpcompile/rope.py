@@ -26,7 +26,8 @@ from torch import nn
 from .collectives import ALL_REDUCE, WAIT
 from .errors import UnsupportedError
 
-STATIC = frozenset({"default", "linear", "yarn", "llama3", "proportional"})  # frequencies fixed at construction
+# frequencies fixed at construction (`axial`: vision towers' 2-D rotary; `ntk_alpha`: scaled once, at init)
+STATIC = frozenset({"default", "linear", "yarn", "llama3", "proportional", "axial", "ntk_alpha"})
 STEP_MAX = frozenset({"dynamic", "longrope"})  # chosen from max(position_ids) + 1 of the call
 
 
