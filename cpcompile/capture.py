@@ -142,6 +142,8 @@ class _TracedForward(nn.Module):
 PREFIX = "target."
 
 
-def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
+                 dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
     # (inside a checkpointed forward, `InstalledRegion` shields this from the checkpoint's saved-tensor hooks)
-    return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False)
+    return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False,
+                               dynamic_shapes=dynamic_shapes)

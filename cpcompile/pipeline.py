@@ -10,8 +10,10 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
+from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
@@ -23,9 +25,9 @@ from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
 from .passes.backward_schedule import enable_for_groups
 from .plan import Override, load_plan
+from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 from .rope import find_call_dependent_rotaries, install_step_rope
 from .rope import state_kept as rope_state_kept
-from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
 from .tp import check_tp_applied, find_tp_linears, full_gradients_for_replicated_params, local_tp_view, tp_size
 
 log = logging.getLogger("cpcompile")
@@ -359,6 +361,20 @@ class InstalledRegion:
         self.agreed.add(shared)
         return program
 
+    def _length_reads(self, args: tuple, kwargs: dict) -> list:
+        """The ops of the region's module that read the local sequence length, from a second trace
+        with that length symbolic (audit/local_length.py); [] for regions running cpcompile's own
+        statement of a layer (GDN) and for one local token (a trace cannot keep a size of 1 symbolic)."""
+        if not getattr(self.region, "audits_local_length", False):
+            return []
+        hidden = next((leaf for leaf in pytree.tree_leaves((args, kwargs))
+                       if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() == 3), None)
+        if hidden is None or hidden.shape[1] < 2:
+            return []
+        with local_tp_view(self.tp_linears):
+            return find_local_length_reads(self.target.module, self.region.forward, args, kwargs,
+                                           hidden.shape[0], hidden.shape[1])
+
     def _trace_and_rewrite(self, args: tuple, kwargs: dict) -> RegionProgram:
         target = self.target
         leaves, key = flatten_call(target.fqn, args, kwargs)
@@ -372,6 +388,7 @@ class InstalledRegion:
         if self.tp_linears:
             program.gm = full_gradients_for_replicated_params(program.gm, program, self.tp_linears[0].group_name)
         ctx = PassContext(
+            length_reads=self._length_reads(args, kwargs),
             fqn=target.fqn,
             method=target.override.method,
             cp_size=self.mesh.cp_size,

@@ -27,7 +27,22 @@ def check_self_attention(match: SdpaMatch, ctx: PassContext) -> tuple[int, int]:
             "the local shard (no KV cache, no cross-attention)"
         )
     check_declared_window(ctx, q_len * ctx.cp_size)
+    check_declared_chunk(ctx, q_len * ctx.cp_size)
     return q_len, q_len * ctx.cp_size
+
+
+def check_declared_chunk(ctx: PassContext, global_len: int) -> None:
+    """Refuse chunked attention whose chunk is shorter than the global sequence (a chunk covering it
+    is plain causal attention). Exactness would need the chunks as documents in every method's
+    local attention; until then it is refused rather than run as plain causal attention, which
+    is what a rank whose shard lies within one chunk would see."""
+    chunk = ctx.declared.chunk
+    if chunk is not None and chunk < global_len:
+        raise UnsupportedMaskError(
+            f"{ctx.fqn}: {ctx.declared.chunk_module} declares chunked attention (attention_chunk_size={chunk}) and "
+            f"the global sequence has {global_len} tokens; CP's local attention kernels have no attention chunks "
+            f"yet. Use sequences of at most {chunk} tokens"
+        )
 
 
 def check_declared_window(ctx: PassContext, global_len: int) -> None:
