@@ -28,6 +28,7 @@ class ProbeResult:
     # modules outside the regions found mixing sequence positions: one chain per outermost one
     mixers: list[list[Mixer]] = field(default_factory=list)
     mixers_report: str = ""
+    mixers_audited: int | None = None  # outermost modules the audit called again (None: skipped)
 
 
 class _RecordSdpaCalls(TorchFunctionMode):
@@ -123,7 +124,7 @@ def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module])
             else:
                 model(example)
     if audit is not None:
-        result.mixers, result.mixers_report = audit.found, audit.report()
+        result.mixers, result.mixers_report, result.mixers_audited = audit.found, audit.report(), len(audit.audited)
     return result
 
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
+from .audit.config import config_hazards
 from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
@@ -104,6 +105,11 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     agree_on_outcome(mesh, "compiling the regions", fields, failure, CPInputError)
     for installed in installs:
         installed.agreed.add(installed.first_signature)
+    hazards = config_hazards(model, {i.target.fqn: i.declared for i in installs}, rotaries, probe.mixers_audited)
+    for hazard in hazards:
+        log.info("cpcompile: %s", hazard.describe())
+    if dump:
+        dump.set_hazards([hazard.as_dict() for hazard in hazards])
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
     install_step_rope(rotaries, mesh)

@@ -61,6 +61,21 @@ def _compile_with_rope_type(seed: int, world: int, rope_type: str) -> None:
     cpcompile.compile(model, mesh, plan, example_inputs=cpcompile.shard_batch(random_batch(seed, 1, 16, False), mesh, plan))
 
 
+def _dumped_hazards(seed: int, world: int) -> list:
+    import json
+    import tempfile
+
+    import cpcompile
+
+    plan = cpcompile.load_plan(sdpa_plan(world))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    with tempfile.TemporaryDirectory() as dump:
+        local = cpcompile.shard_batch(random_batch(seed, 1, 16, False), mesh, plan)
+        cpcompile.compile(dynamic_llama(seed), mesh, plan, example_inputs=local, dump_dir=dump)
+        with open(f"{dump}/summary.json") as summary:
+            return json.load(summary)["model"]["hazards"]
+
+
 def _run(rank: int, world: int, seed: int) -> dict:
     out = {}
     for rope, make in MODELS.items():
@@ -70,6 +85,7 @@ def _run(rank: int, world: int, seed: int) -> dict:
                 out[(rope, name, length)] = compare_cp_run(lambda: make(seed), batch, sdpa_plan(world, wrapper=wrapper))
     if world == 2:
         out["unknown_type"] = outcome_of(lambda: _compile_with_rope_type(seed, world, "mystery_scaling"))
+        out["dump"] = _dumped_hazards(seed, world)
     return out
 
 
@@ -94,3 +110,8 @@ def test_an_unknown_rope_type_is_refused_on_every_rank():
     for rank, result in enumerate(results(2)):
         assert_fails_with(f"rank {rank}", result["unknown_type"], "UnsupportedError",
                           ["model.rotary_emb", "LlamaRotaryEmbedding", "mystery_scaling", "dynamic", "longrope"])
+
+
+def test_the_dump_names_how_the_rope_type_was_handled():
+    hazards = {(h["feature"], h["value"], h["where"]): h["handling"] for h in results(2)[0]["dump"]}
+    assert "step's global longest position" in hazards["rope_type", "dynamic", "model.rotary_emb"]

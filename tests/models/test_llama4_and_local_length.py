@@ -50,8 +50,24 @@ def length_scaled_qwen3(seed: int):
     return model
 
 
+def _dumped(seed: int, world: int) -> dict:
+    """The dump's summary of a Llama-4 with temperature tuning and a chunk covering the sequence."""
+    import json
+    import tempfile
+
+    import cpcompile
+
+    plan = cpcompile.load_plan(sdpa_plan(world))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    with tempfile.TemporaryDirectory() as dump:
+        local = cpcompile.shard_batch(random_batch(seed, 1, LENGTH, False), mesh, plan)
+        cpcompile.compile(tuned_llama4(seed, chunk=LENGTH), mesh, plan, example_inputs=local, dump_dir=dump)
+        with open(f"{dump}/summary.json") as summary:
+            return json.load(summary)
+
+
 def _run(rank: int, world: int, seed: int) -> dict:
-    out = {}
+    out = {"dump": _dumped(seed, world)}
     for name, wrapper in METHODS.items():
         batch = random_batch(seed + len(out), 2, LENGTH, padded=True)
         out[f"temperature_{name}"] = compare_cp_run(lambda: tuned_llama4(seed), batch, sdpa_plan(world, wrapper=wrapper))
@@ -93,3 +109,16 @@ def test_a_read_of_the_local_length_is_refused_naming_node_and_line():
         assert_fails_with(f"rank {rank}", result["length_scaled"], "UnsupportedError",
                           ["model.layers.1.self_attn", "arithmetic with the local length",
                            "test_llama4_and_local_length.py", "8.0 / hidden_states.shape[1]"])
+
+
+def test_the_dump_names_each_feature_and_how_it_was_handled():
+    """issue 30, item 6: the model's features that need CP rules are read at compile and named in the dump."""
+    summary = results()[0]["dump"]
+    hazards = {(h["feature"], h["value"], h["where"]): h["handling"] for h in summary["model"]["hazards"]}
+    assert "fixed at construction" in hazards["rope_type", "default", "model.rotary_emb"]
+    assert "global positions" in hazards["attn_temperature_tuning", "True", "model.layers.1.self_attn"]
+    assert "refused when shorter" in hazards["attention_chunk_size", str(LENGTH), "model.layers.0.self_attn"]
+    assert "none moved" in hazards["sequence mixers outside the regions", "none found", "<model>"]
+    notes = {region["fqn"]: " ".join(region["notes"]) for region in summary["regions"]}
+    assert "modeling_llama4.py" in notes["model.layers.1.self_attn"] and "global positions" in notes["model.layers.1.self_attn"]
+    assert "global positions" not in notes["model.layers.0.self_attn"]
