@@ -95,10 +95,15 @@ def declared_chunk(module: nn.Module) -> int | None:
     RoPE layers). transformers builds that mask outside the attention, from the call's positions,
     and when a chunk is at least a rank's shard the shard's mask looks plainly causal."""
     config = getattr(module, "config", None)
+    chunk = _positive_int(getattr(config, "attention_chunk_size", None))
     layer_types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
-    if layer_types is None or not isinstance(layer, int) or layer >= len(layer_types) or layer_types[layer] != CHUNKED_LAYER:
+    if chunk is None:
         return None
-    return _positive_int(getattr(config, "attention_chunk_size", None))
+    if layer_types is None:  # a config that names no layer types: Llama-4 chunks its RoPE layers
+        return None if getattr(module, "use_rope", True) in (0, False) else chunk
+    if not isinstance(layer, int) or layer >= len(layer_types) or layer_types[layer] != CHUNKED_LAYER:
+        return None
+    return chunk
 
 
 def _positive_int(value: Any) -> int | None:

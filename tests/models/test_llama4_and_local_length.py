@@ -122,3 +122,16 @@ def test_the_dump_names_each_feature_and_how_it_was_handled():
     notes = {region["fqn"]: " ".join(region["notes"]) for region in summary["regions"]}
     assert "modeling_llama4.py" in notes["model.layers.1.self_attn"] and "global positions" in notes["model.layers.1.self_attn"]
     assert "global positions" not in notes["model.layers.0.self_attn"]
+
+
+def test_declared_chunk_is_read_per_layer_from_the_config():
+    """Llama-4 chunks its RoPE layers: from `config.layer_types` where the config names them, else
+    from the module's `use_rope` (a config without layer types)."""
+    from cpcompile.adapters.sdpa import SdpaRegion
+
+    model = tuned_llama4(0, chunk=8)
+    declared = [SdpaRegion().declared_attention("attn", layer.self_attn).chunk for layer in model.model.layers]
+    assert model.config.layer_types == ["chunked_attention", "full_attention"] and declared == [8, None]
+    model.config.layer_types = None
+    assert [SdpaRegion().declared_attention("attn", layer.self_attn).chunk for layer in model.model.layers] == [8, None]
+    assert SdpaRegion().declared_attention("attn", tuned_llama4(0).model.layers[0].self_attn).chunk is None
