@@ -148,14 +148,13 @@ def length_use(node: fx.Node, symbols: set) -> str | None:
         return "positions counted along the local length"
     if node.target in SIZED:
         normalized = normalize_function(node.target, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        values = {k: v for k, v in (normalized.kwargs if normalized else {}).items() if k not in ("size", "stride")}
-        return "a fill value computed from the local length" if any(reads(v, symbols) for v in values.values()) else None
+        fill = [v for k, v in (normalized.kwargs if normalized else {}).items() if k not in ("size", "stride")]
+        return "a fill value computed from the local length" if any(reads(v, symbols) for v in fill) else None
+    shape = node.args[0].meta["val"].shape if node.args and isinstance(node.args[0], fx.Node) else ()
     if node.target in ALONG_DIM:
-        dims = reduced_dims(node)
-        shape = node.args[0].meta["val"].shape if isinstance(node.args[0], fx.Node) else ()
-        if any(reads(shape[d], symbols) for d in dims if -len(shape) <= d < len(shape)):
+        if any(reads(shape[d], symbols) for d in reduced_dims(node) if -len(shape) <= d < len(shape)):
             return "a reduction or scan over the local sequence"
-    if node.target in CONTRACTIONS and isinstance(node.args[0], fx.Node) and reads(node.args[0].meta["val"].shape[-1], symbols):
+    if node.target in CONTRACTIONS and shape and reads(shape[-1], symbols):
         return "a product contracting the local sequence"
     if scalars and node.target not in LAYOUT:
         return "arithmetic with the local length"
@@ -183,15 +182,16 @@ def reads(value, symbols: set) -> bool:
 
 def is_positions(node: fx.Node, symbols: set) -> bool:
     """`arange(S)` / `arange(0, S)` / `arange(0, S, 1)` with S exactly the local length."""
-    if node.target not in (aten.arange.default, aten.arange.start, aten.arange.start_step):
-        return False
-    bounds = list(node.args)
     if node.target is aten.arange.default:
-        bounds = [0, *bounds]
-    start, end, step = (bounds + [1])[:3] if len(bounds) < 3 else bounds[:3]
-    end_val = end.meta.get("val") if isinstance(end, fx.Node) else end
-    return (start == 0 and step == 1 and isinstance(end_val, torch.SymInt)
-            and end_val.node.expr in symbols)
+        start, end, step = 0, node.args[0], 1
+    elif node.target is aten.arange.start:
+        (start, end), step = node.args[:2], 1
+    elif node.target is aten.arange.start_step:
+        start, end, step = node.args[:3]
+    else:
+        return False
+    end = end.meta.get("val") if isinstance(end, fx.Node) else end
+    return start == 0 and step == 1 and isinstance(end, torch.SymInt) and end.node.expr in symbols
 
 
 def source_line(node: fx.Node) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from cp_harness import (
     HEAD_TAIL_WRAPPER, assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan,
@@ -135,3 +136,39 @@ def test_declared_chunk_is_read_per_layer_from_the_config():
     model.config.layer_types = None
     assert [SdpaRegion().declared_attention("attn", layer.self_attn).chunk for layer in model.model.layers] == [8, None]
     assert SdpaRegion().declared_attention("attn", tuned_llama4(0).model.layers[0].self_attn).chunk is None
+
+
+class ReadsTheLength(torch.nn.Module):
+    """One op of each kind the symbolic trace tells apart, on `hidden_states [B, S, H]`."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.kind = kind
+
+    def forward(self, hidden_states):
+        if self.kind == "positions":
+            return hidden_states * torch.arange(hidden_states.shape[1])[None, :, None]
+        if self.kind == "reduction":
+            return hidden_states - hidden_states.mean(dim=1, keepdim=True)
+        if self.kind == "contraction":
+            return hidden_states.transpose(1, 2) @ hidden_states
+        if self.kind == "arithmetic":
+            return hidden_states / hidden_states.shape[1]
+        return hidden_states * torch.ones(hidden_states.shape[:2])[..., None] + hidden_states.mean(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("kind, what", [
+    ("positions", "positions counted along the local length"),
+    ("reduction", "a reduction or scan over the local sequence"),
+    ("contraction", "a product contracting the local sequence"),
+    ("arithmetic", "arithmetic with the local length"),
+    ("per_token", None),  # a tensor sized by the length, and a reduction over the hidden size: no read
+])
+def test_the_symbolic_trace_tells_each_read_of_the_length(kind, what):
+    from cpcompile.audit.local_length import find_local_length_reads
+
+    forward = lambda module, *args, **kwargs: type(module).forward(module, *args, **kwargs)
+    reads = find_local_length_reads(ReadsTheLength(kind), forward, (torch.randn(2, 6, 6),), {}, 2, 6)
+    assert [read.what for read in reads] == ([what] if what else [])
+    assert all("test_llama4_and_local_length.py" in read.source for read in reads)
+    assert [read.positions for read in reads] == ([True] if kind == "positions" else [False] * len(reads))
