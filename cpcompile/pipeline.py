@@ -13,7 +13,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
-from .audit.config import config_hazards
+from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_aux_loss_call
 from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
@@ -88,6 +88,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     signatures = {t.fqn: NOT_REACHED for t in targets}
     # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
     rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
+    refuse_router_aux_loss(model)
     try:
         with rope_state_kept(rotaries):
             probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
@@ -145,6 +146,7 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: Docume
 
     @torch.compiler.disable  # a Python check of the call, not part of the model's graph
     def check(_module, args, kwargs):
+        refuse_router_aux_loss_call(kwargs)
         position_ids = kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None)
         guard.check(position_ids)
         if documents is not None:

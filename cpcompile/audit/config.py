@@ -16,7 +16,14 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..errors import CPInputError, UnsupportedError
 from ..rope import STATIC, rope_types
+
+# why a mixture-of-experts' auxiliary loss cannot run under CP (see `refuse_router_aux_loss`)
+AUX_LOSS_REASON = (
+    "the MoE load-balancing loss multiplies two means over the step's tokens (the fraction routed to "
+    "each expert and its mean router probability); each rank would take them over its own slice, and no "
+    "sum of those products is the single process's loss")
 
 
 @dataclass(frozen=True)
@@ -64,3 +71,18 @@ def config_hazards(model, declared: dict, rotaries: list, mixers_audited: int | 
         "<model>", f"{mixers_audited} outermost module(s) called again with one token changed, none moved elsewhere"
         if mixers_audited is not None else "the example batch has one token a row: compile with a longer one"))
     return hazards
+
+
+def refuse_router_aux_loss(model) -> None:
+    """A model configured to add its MoE auxiliary loss (`output_router_logits`) is refused at compile:
+    `UnsupportedError`, the same on every rank (the configuration is)."""
+    for config in (getattr(model, "config", None), getattr(getattr(model, "config", None), "text_config", None)):
+        if getattr(config, "output_router_logits", False) is True:
+            raise UnsupportedError(f"{type(model).__name__}: config.output_router_logits=True: {AUX_LOSS_REASON}; set "
+                                   "output_router_logits=False to train under CP without the auxiliary loss")
+
+
+def refuse_router_aux_loss_call(kwargs: dict) -> None:
+    """The same for one call of the compiled model asking for it (`output_router_logits=True`)."""
+    if kwargs.get("output_router_logits") is True:
+        raise CPInputError(f"output_router_logits=True: {AUX_LOSS_REASON}; call the CP model without it")

@@ -10,7 +10,9 @@ import random
 import pytest
 import torch
 
-from cp_harness import HEAD_TAIL_WRAPPER, assert_equivalent, compare_cp_run, random_batch, sdpa_plan
+from cp_harness import (
+    HEAD_TAIL_WRAPPER, assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan,
+)
 from dist_utils import run_distributed
 from gdn_harness import gdn_plan, tiny_qwen3_5, use_reference_gdn
 from model_zoo import build
@@ -42,6 +44,12 @@ def _run(rank: int, world: int, seed: int) -> dict:
     # float64: fp32 gradients of the GDN decay parameters are ill-conditioned (gdn_harness)
     out["qwen3_5"] = compare_cp_run(lambda: use_reference_gdn(tiny_qwen3_5(seed, torch.float64)),
                                     random_batch(seed, 2, LENGTH, True), gdn_plan(world, "p2p", sdpa="sdpa_hf"))
+    out["moe_aux_loss_config"] = outcome_of(lambda: compare_cp_run(
+        lambda: build("qwen3_moe", seed, output_router_logits=True), random_batch(seed, 2, LENGTH, True),
+        sdpa_plan(world, wrapper="sdpa_hf")))
+    out["moe_aux_loss_call"] = outcome_of(lambda: compare_cp_run(
+        lambda: build("qwen3_moe", seed), dict(random_batch(seed, 2, LENGTH, True), output_router_logits=True),
+        sdpa_plan(world, wrapper="sdpa_hf")))
     return out
 
 
@@ -55,3 +63,13 @@ def results() -> list:
 def test_architecture_is_exact(name):
     for result in results():
         assert_equivalent(result[name])
+
+
+@pytest.mark.parametrize("scenario, error", [("moe_aux_loss_config", "UnsupportedError"),
+                                             ("moe_aux_loss_call", "CPInputError")])
+def test_a_moe_auxiliary_loss_is_refused_on_every_rank(scenario, error):
+    """A MoE's load-balancing loss is a product of means over the step's tokens: per rank it is no
+    share of the single process's. Before: Qwen3-MoE with output_router_logits ran, its loss and
+    router gradients off one process, no error."""
+    for rank, result in enumerate(results()):
+        assert_fails_with(f"rank {rank}", result[scenario], error, ["output_router_logits=True", "load-balancing"])
