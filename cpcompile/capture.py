@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from .audit.mixers import Mixer, mixer_audit
 from .methods import core_module_kind
 
 @dataclass
@@ -24,6 +25,10 @@ class ProbeResult:
     inputs: dict[str, tuple[tuple, dict]] = field(default_factory=dict)
     # one entry per core call: (core kind, FQNs of the modules it ran inside, outermost first)
     core_sites: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    # modules outside the regions found mixing sequence positions: one chain per outermost one
+    mixers: list[list[Mixer]] = field(default_factory=list)
+    mixers_report: str = ""
+    mixers_audited: int | None = None  # outermost modules the audit called again (None: skipped)
 
 
 class _RecordSdpaCalls(TorchFunctionMode):
@@ -102,13 +107,15 @@ def _module_cores_stubbed(model: nn.Module):
 
 
 def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module]) -> ProbeResult:
-    """One forward (no grad) recording region inputs and where each core runs."""
+    """One forward (no grad) recording region inputs and where each core runs, auditing the modules
+    outside the regions for sequence mixing on the way (`audit.mixers`)."""
     result = ProbeResult()
     stack: list[str] = []
     # forked RNG: the probe must not change the random stream the user's training sees
     cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
     with torch.random.fork_rng(devices=cuda), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
-            _record_first_inputs(regions, result.inputs), _module_cores_stubbed(model):
+            _record_first_inputs(regions, result.inputs), _module_cores_stubbed(model), \
+            mixer_audit(model, list(regions), example) as audit:
         with _RecordSdpaCalls(stack, result.core_sites):
             if isinstance(example, dict):
                 model(**example)
@@ -116,6 +123,8 @@ def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module])
                 model(*example)
             else:
                 model(example)
+    if audit is not None:
+        result.mixers, result.mixers_report, result.mixers_audited = audit.found, audit.report(), len(audit.audited)
     return result
 
 
@@ -134,6 +143,8 @@ class _TracedForward(nn.Module):
 PREFIX = "target."
 
 
-def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def trace_region(module: nn.Module, forward: Callable[..., Any], args: tuple, kwargs: dict,
+                 dynamic_shapes: Any = None) -> torch.export.ExportedProgram:
     # (inside a checkpointed forward, `InstalledRegion` shields this from the checkpoint's saved-tensor hooks)
-    return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False)
+    return torch.export.export(_TracedForward(module, forward), tuple(args), dict(kwargs), strict=False,
+                               dynamic_shapes=dynamic_shapes)

@@ -20,6 +20,7 @@ ALL_GATHER = _funcol_autograd.all_gather_into_tensor.default
 ALL_TO_ALL = _funcol_autograd.all_to_all_single.default
 REDUCE_SCATTER = _funcol_autograd.reduce_scatter_tensor.default
 WAIT = _funcol.wait_tensor.default
+ALL_REDUCE = _funcol.all_reduce.default  # no autograd: only integer bookkeeping (rope.py) reduces
 
 LAUNCH_OPS = frozenset({ALL_GATHER, ALL_TO_ALL, REDUCE_SCATTER})
 

@@ -26,7 +26,7 @@ class DeclaredAttention:
     """What a region's modules say about their softmax attention, read from the modules (their
     configuration), not from a traced call: whether it is causal (None: no module says, or they
     disagree) and the narrowest sliding window any of them declares (None: none), with the FQN
-    of the module declaring it.
+    of the module declaring it; likewise the narrowest attention chunk.
 
     The traced call cannot tell either reliably: transformers passes `is_causal = q_len > 1`
     (so one local token looks non-causal), and a window at least as long as the local shard
@@ -36,6 +36,10 @@ class DeclaredAttention:
     causal: bool | None = None
     window: int | None = None
     window_module: str = ""
+    # chunked attention (Llama-4's `attention_chunk_size`): a query sees the keys of its own chunk
+    # of that many tokens only; the narrowest any module declares, and which module
+    chunk: int | None = None
+    chunk_module: str = ""
 
 
 @dataclass
@@ -56,6 +60,8 @@ class PassContext:
     declared: DeclaredAttention = DeclaredAttention()  # the region adapter reads it off the modules
     tp_size: int = 1  # tensor-parallel ranks the region's heads are split over (tp.py); 1 without TP
     example_inputs: list[Any] = field(default_factory=list)
+    # ops of the model that read the local sequence length (audit/local_length.py), for local_length_pass
+    length_reads: list[Any] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     cores_rewritten: int = 0

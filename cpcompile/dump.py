@@ -2,7 +2,9 @@
 
 Layout of a dump directory:
     <region>/<NN>_<pass>.before.py, .after.py   readable graph code around each pass
-    summary.json, summary.txt                   one row per rewritten region
+    summary.json, summary.txt                   one row per rewritten region, and the model's
+                                                features that need CP rules, with how each was
+                                                handled (`model.hazards`, audit/config.py)
 
 One directory per rank: `cpcompile train` and the demo write `<dump_dir>/rank<r>`.
 """
@@ -79,6 +81,11 @@ class Dump:
     def __init__(self, root: Path):
         self.root = prepare_dump_dir(root)
         self.regions: list[dict[str, Any]] = []
+        self.hazards: list[dict[str, Any]] = []  # the model's features needing CP rules (audit/config.py)
+
+    def set_hazards(self, hazards: list[dict[str, Any]]) -> None:
+        self.hazards = hazards
+        self.write_summary()
 
     def region_dir(self, fqn: str, variant: int) -> Path:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", fqn) or "root"
@@ -120,12 +127,14 @@ class Dump:
         self.write_summary()
 
     def write_summary(self) -> None:
-        (self.root / "summary.json").write_text(json.dumps({"regions": self.regions}, indent=2, default=str))
-        (self.root / "summary.txt").write_text(format_summary(self.regions))
+        summary = {"model": {"hazards": self.hazards}, "regions": self.regions}
+        (self.root / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        (self.root / "summary.txt").write_text(format_summary(self.regions, self.hazards))
 
 
-def format_summary(regions: list[dict[str, Any]]) -> str:
-    lines = [f"{'region':<40} {'method':<12} {'core':<5} {'backend':<8} collectives (launch@pos -> wait@pos, compute between)"]
+def format_summary(regions: list[dict[str, Any]], hazards: list[dict[str, Any]] = ()) -> str:
+    lines = [f"model: {h['feature']}={h['value']} ({h['where']}): {h['handling']}" for h in hazards]
+    lines += [f"{'region':<40} {'method':<12} {'core':<5} {'backend':<8} collectives (launch@pos -> wait@pos, compute between)"]
     for r in regions:
         name = r["fqn"] + (f" (v{r['variant']})" if r.get("variant") else "")
         first = True
@@ -155,7 +164,8 @@ def inspect(dump_dir: str | os.PathLike) -> str:
             )
         raise FileNotFoundError(f"{path} not found: is {dump_dir} a cpcompile dump directory?")
     try:
-        return format_summary(json.loads(path.read_text(encoding="utf-8"))["regions"])
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        return format_summary(summary["regions"], summary.get("model", {}).get("hazards", []))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:  # not JSON, or not a summary's shape
         raise CPConfigError(f"{path} is damaged, not a summary cpcompile wrote ({type(exc).__name__}: "
                             f"{' '.join(str(exc).split())[:200]}); run with dump_dir= again to rewrite it") from exc

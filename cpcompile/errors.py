@@ -7,7 +7,7 @@ Each class also derives from the builtin a caller would catch for it, so `except
 |---|---|---|
 | `PlanError` | ValueError | a plan field is invalid; `field` is its path, `reason` why |
 | `CPConfigError` | ValueError | the plan does not fit the job (world size, mesh, cp size, sub-groups); an unwritable `dump_dir`; a checkpoint a run cannot resume, a damaged dump summary |
-| `CoverageError` | ValueError | an attention core lies in no region, or a region runs no core of its method's kind |
+| `CoverageError` | ValueError | an attention core lies in no region, a region runs no core of its method's kind, or a module outside the regions mixes sequence positions |
 | `CPInputError` | ValueError | a model, call, batch, wrapper parameter or kernel input CP cannot serve |
 | `UnsupportedMaskError` | ValueError | an attention mask other than causal∧key-padding or key-padding alone |
 | `UnsupportedError` | NotImplementedError | a combination not supported yet (PP/EP with CP, TP with GDN, TP applied after compile), or no registered method |

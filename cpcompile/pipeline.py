@@ -10,8 +10,11 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from .agreement import ITEM_SEPARATOR, agree, plan_fields
+from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
+from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_aux_loss_call
+from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
 from .context import DeclaredAttention, PassContext
@@ -25,6 +28,8 @@ from .passes import run_passes
 from .passes.backward_schedule import enable_for_groups
 from .plan import Override, load_plan
 from .region import RegionProgram, RetracePolicy, describe_call, flatten_call, shared_signature
+from .rope import find_call_dependent_rotaries, install_step_rope
+from .rope import state_kept as rope_state_kept
 from .tp import check_tp_applied, find_tp_linears, full_gradients_for_replicated_params, local_tp_view, tp_size
 
 log = logging.getLogger("cpcompile")
@@ -74,18 +79,43 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     build_subgroups(mesh, overrides)
     tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
     example = example_inputs if example_inputs is not None else default_example(model)
-    probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
-    check_coverage(targets, probe.core_sites, attention_hint(model))
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
     documents = DocumentFeed()
     if isinstance(example, dict):  # a packed example traces the regions that read documents for it
         documents.update(example.get("position_ids"))
-    installs = []
-    for target in targets:
-        args, kwargs = probe.inputs[target.fqn]
-        installs.append(InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents))
+    # From the probe to the last rewrite, a step may fail on this rank's own data (its mask, its
+    # positions) and on no other: nothing here communicates, and the outcome is agreed once at the
+    # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
+    installs: list[InstalledRegion] = []
+    signatures = {t.fqn: NOT_REACHED for t in targets}
+    # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
+    rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
+    refuse_router_aux_loss(model)
+    try:
+        with rope_state_kept(rotaries):
+            probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
+        check_coverage(targets, probe.core_sites, dict(model.named_modules()), attention_hint(model))
+        check_mixers(probe)
+        for target in targets:
+            args, kwargs = probe.inputs[target.fqn]
+            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
+            signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
+            installs.append(installed)
+        failure = None
+    except Exception as exc:  # noqa: BLE001 -- re-raised below, on every rank, once the group agreed
+        failure = exc
+    fields = {f"inputs of region {fqn}": signature for fqn, signature in signatures.items()}
+    agree_on_outcome(mesh, "compiling the regions", fields, failure, CPInputError)
+    for installed in installs:
+        installed.agreed.add(installed.first_signature)
+    hazards = config_hazards(model, {i.target.fqn: i.declared for i in installs}, rotaries, probe.mixers_audited)
+    for hazard in hazards:
+        log.info("cpcompile: %s", hazard.describe())
+    if dump:
+        dump.set_hazards([hazard.as_dict() for hazard in hazards])
     for installed in installs:  # nothing above touched the model; from here on nothing can fail
         installed.install()
+    install_step_rope(rotaries, mesh)
     schedule_async_backward(mesh, overrides)
     reads_batch_marks = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
     guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_batch_marks)
@@ -118,6 +148,7 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: Docume
 
     @torch.compiler.disable  # a Python check of the call, not part of the model's graph
     def check(_module, args, kwargs):
+        refuse_router_aux_loss_call(kwargs)
         position_ids = kwargs["position_ids"] if "position_ids" in kwargs else (args[index] if len(args) > index else None)
         guard.check(position_ids)
         if documents is not None:
@@ -210,16 +241,19 @@ def attention_hint(model: nn.Module) -> str:
             'attn_implementation="sdpa", whose attention calls scaled_dot_product_attention, the core CP rewrites')
 
 
-def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]], hint: str = "") -> None:
-    """Every core runs inside exactly one region, of the kind its method rewrites; `hint` is added
-    where an SDPA region ran no SDPA core (`attention_hint`)."""
+def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str, ...]]],
+                   modules: dict[str, nn.Module] | None = None, hint: str = "") -> None:
+    """Every core runs inside exactly one region, of the kind its method rewrites; `modules` names an
+    uncovered core's class, `hint` is added where an SDPA region ran no SDPA core (`attention_hint`)."""
     by_fqn = {t.fqn: t for t in targets}
     seen: set[str] = set()
     for kind, stack in core_sites:
         covering = [by_fqn[f] for f in stack if f in by_fqn]
         where = stack[-1] if stack else "<model>"
         if not covering:
-            raise CoverageError(f"{kind} core in module {where!r} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
+            module = (modules or {}).get(where)
+            named = f"{where!r} ({type(module).__name__})" if module is not None else repr(where)
+            raise CoverageError(f"{kind} core in module {named} is not covered by any plan override; CP>1 needs an explicit method for every attention core")
         target = covering[0]
         if target.override.method.core not in (kind, LOCAL_CORE):  # a local_compute_fn takes over any core
             raise CoverageError(f"module {target.fqn!r} runs a {kind} core but its override selects {target.override.method.describe()}")
@@ -229,6 +263,17 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
             core = target.override.method.core
             raise CoverageError(f"{target.override.field('match')}: module {target.fqn!r} ran no {core} core in the "
                                 f"probe forward{hint if core == 'sdpa' else ''}")
+
+
+def check_mixers(probe) -> None:
+    """Refuse the modules outside the regions that mix sequence positions (`audit.mixers`): each
+    rank would run them on its own slice alone."""
+    if probe.mixers:
+        raise CoverageError(
+            f"{len(probe.mixers)} module(s) outside the CP regions mix positions of the sequence, so each rank would "
+            f"run them on its own slice alone (silently wrong under CP): {probe.mixers_report}. Give each a CP method "
+            "in the plan (an override matching it), or use a model without them; position-wise modules (MLP, norms, "
+            "rotary) pass this check")
 
 
 def default_example(model: nn.Module) -> dict:
@@ -290,7 +335,10 @@ class InstalledRegion:
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
         self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
-        self._build(*self._prepare(args, kwargs))
+        args, kwargs = self._prepare(args, kwargs)
+        # at compile the group agrees on every region's first signature and outcome at once (`compile`)
+        self.first_signature = shared_signature(args, kwargs)
+        self._build(args, kwargs, agree_now=False)
 
     def install(self) -> None:
         module = self.target.module
@@ -327,25 +375,47 @@ class InstalledRegion:
             return self.finite_guard.around(leaves, program)
         return program(leaves)
 
-    def _agree_on(self, args: tuple, kwargs: dict) -> None:
-        """Have the cp group agree on this call's shared signature, the first time it is seen.
+    @torch.compiler.disable
+    def _build(self, args: tuple, kwargs: dict, agree_now: bool = True) -> RegionProgram:
+        """Trace, rewrite and cache the region for a call signature (args already prepared).
 
-        Every rank meets a new shared signature at the same call (one collective, before the
-        region's own); a graph of a known one (another rank-local mask, a graph dropped from the
-        cache) is traced without asking.
+        A shared signature not seen before is met by every rank at the same call: the trace and
+        the passes run without communicating, then the group agrees on the signature and on the
+        outcome in one gather before the region's own collectives, so a refusal found on one
+        rank's data (its mask) is raised on every rank (`agreement.agree_on_outcome`). A graph of
+        a known shared signature (another rank-local mask, a graph dropped from the cache) is
+        traced without asking: this rank may be alone in tracing it.
         """
         shared = shared_signature(args, kwargs)
-        if shared not in self.agreed:
-            fields = {"region": self.target.fqn, "inputs": ITEM_SEPARATOR.join(shared)}
-            agree(self.mesh, f"the inputs of region {self.target.fqn}", fields, CPInputError)
-            self.agreed.add(shared)
+        if not agree_now or shared in self.agreed:
+            return self._trace_and_rewrite(args, kwargs)
+        program, failure = None, None
+        try:
+            program = self._trace_and_rewrite(args, kwargs)
+        except Exception as exc:  # noqa: BLE001 -- re-raised on every rank once the group agreed
+            failure = exc
+        fields = {"region": self.target.fqn, "inputs": ITEM_SEPARATOR.join(shared)}
+        agree_on_outcome(self.mesh, f"the inputs of region {self.target.fqn}", fields, failure, CPInputError)
+        self.agreed.add(shared)
+        return program
 
-    @torch.compiler.disable
-    def _build(self, args: tuple, kwargs: dict) -> RegionProgram:
-        """Trace, rewrite and cache the region for a call signature (args already prepared)."""
+    def _length_reads(self, args: tuple, kwargs: dict) -> list:
+        """The ops of the region's module that read the local sequence length, from a second trace
+        with that length symbolic (audit/local_length.py); [] for regions running cpcompile's own
+        statement of a layer (GDN) and for one local token (a trace cannot keep a size of 1 symbolic)."""
+        if not getattr(self.region, "audits_local_length", False):
+            return []
+        hidden = next((leaf for leaf in pytree.tree_leaves((args, kwargs))
+                       if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() == 3), None)
+        if hidden is None or hidden.shape[1] < 2:
+            return []
+        with local_tp_view(self.tp_linears):
+            return find_local_length_reads(self.target.module, self.region.forward, args, kwargs,
+                                           hidden.shape[0], hidden.shape[1])
+
+    def _trace_and_rewrite(self, args: tuple, kwargs: dict) -> RegionProgram:
         target = self.target
         leaves, key = flatten_call(target.fqn, args, kwargs)
-        self._agree_on(args, kwargs)
         self.traces += 1
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
@@ -356,6 +426,7 @@ class InstalledRegion:
         if self.tp_linears:
             program.gm = full_gradients_for_replicated_params(program.gm, program, self.tp_linears[0].group_name)
         ctx = PassContext(
+            length_reads=self._length_reads(args, kwargs),
             fqn=target.fqn,
             method=target.override.method,
             cp_size=self.mesh.cp_size,

@@ -1,8 +1,8 @@
 """Test session set-up.
 
 Tests live by area (`plan/`, `methods/`, `batch/`, `pipeline/`, `sdpa/`, `async/`, `gdn/`,
-`kernels/`, `train/`, `benchmarks/`); the shared harnesses stay here (`cp_harness`,
-`gdn_harness`, `dist_utils`) and are imported by name, so this folder goes on `sys.path` (ranks
+`kernels/`, `models/` (transformers architectures), `train/`, `benchmarks/`); the shared
+harnesses stay here (`cp_harness`, `gdn_harness`, `model_zoo`, `dist_utils`) and are imported by name, so this folder goes on `sys.path` (ranks
 started by `dist_utils` inherit it).
 
 Without CUDA, Triton kernels run in Triton's CPU interpreter, which must be chosen before

@@ -7,6 +7,11 @@ adapter traces its *own* statement of the layer — same parameters, same math, 
 the installed transformers by the tests — in which the recurrent core is one
 `cpcompile::gdn_chunk` node and the causal conv's left context is one explicit pad node: the
 two places a GDN CP rewrite changes.
+
+Qwen3-Next's GatedDeltaNet (`Qwen3NextGatedDeltaNet`) is the same layer with its projections
+fused otherwise: one `in_proj_qkvz` and one `in_proj_ba`, their outputs grouped per key head.
+Only how q, k, v, z, b and a are read off the hidden states differs (`gdn_projections`); the
+conv, the core and the gated norm are the same, and so are the wrappers and every GDN method.
 """
 from __future__ import annotations
 
@@ -49,32 +54,62 @@ def is_qwen3_5(model: nn.Module) -> bool:
     return type(model).__name__ in ARCHITECTURES or getattr(config, "model_type", None) in MODEL_TYPES
 
 
+GDN_COMMON = ("conv1d", "A_log", "dt_bias", "norm", "out_proj")
+QWEN3_5_PROJECTIONS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+QWEN3_NEXT_PROJECTIONS = ("in_proj_qkvz", "in_proj_ba")  # grouped per key head
+
+
 def is_gdn_layer(module: nn.Module) -> bool:
-    """A Qwen3.5(-MoE) GatedDeltaNet layer, recognised by class name and parameters."""
-    return type(module).__name__.endswith("GatedDeltaNet") and all(
-        hasattr(module, name) for name in ("in_proj_qkv", "conv1d", "A_log", "dt_bias", "norm", "out_proj")
+    """A Qwen3.5(-MoE) or Qwen3-Next GatedDeltaNet layer, recognised by class name and parameters."""
+    return type(module).__name__.endswith("GatedDeltaNet") and all(hasattr(module, n) for n in GDN_COMMON) and (
+        all(hasattr(module, n) for n in QWEN3_5_PROJECTIONS) or all(hasattr(module, n) for n in QWEN3_NEXT_PROJECTIONS)
     )
+
+
+def gdn_projections(layer: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The layer's projections of `hidden_states [B, T, hidden]`: the conv input `[B, T, 2·key_dim +
+    value_dim]` (q, k, v flattened, in that order), z `[B, T, V heads, V dim]`, b and a `[B, T, V heads]`.
+
+    Qwen3.5 projects each separately. Qwen3-Next fuses them and groups the outputs per key head:
+    each of its K heads holds its q and k head, then its V/K value heads and as many z heads (and
+    b, a likewise), which this puts in the order Qwen3.5's layout has.
+    """
+    batch, length, _ = hidden_states.shape
+    if hasattr(layer, "in_proj_qkv"):
+        z = layer.in_proj_z(hidden_states).reshape(batch, length, -1, layer.head_v_dim)
+        return layer.in_proj_qkv(hidden_states), z, layer.in_proj_b(hidden_states), layer.in_proj_a(hidden_states)
+    key_heads, value_heads = layer.num_k_heads, layer.num_v_heads
+    per_key = value_heads // key_heads  # value heads sharing one key head
+    qkvz = layer.in_proj_qkvz(hidden_states).reshape(batch, length, key_heads, -1)
+    ba = layer.in_proj_ba(hidden_states).reshape(batch, length, key_heads, 2 * per_key)
+    sizes = [layer.head_k_dim, layer.head_k_dim, per_key * layer.head_v_dim, per_key * layer.head_v_dim]
+    query, key, value, z = torch.split(qkvz, sizes, dim=3)
+    b, a = torch.split(ba, [per_key, per_key], dim=3)
+    mixed = torch.cat([x.reshape(batch, length, -1) for x in (query, key, value)], dim=-1)
+    z = z.reshape(batch, length, value_heads, layer.head_v_dim)
+    return mixed, z, b.reshape(batch, length, value_heads), a.reshape(batch, length, value_heads)
 
 
 def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                       document_positions: torch.Tensor | None = None, *, chunk_size: int,
                       backend: str) -> torch.Tensor:
-    """One Qwen3.5 GDN layer (training, no cache), as the graph CP rewrites see it.
+    """One Qwen3.5 or Qwen3-Next GDN layer (training, no cache), as the graph CP rewrites see it.
 
     `document_positions` (`[B or 1, T]`, a packed batch only) are the tokens' positions inside
     their documents: the state resets where they are 0, and the conv reads no token of an earlier
     document (`conv_within_documents`). Positions are all the layer needs, on a CP rank too: the
     halo the rewrite fills in comes from before a token only when its position says it may.
     """
+    if getattr(layer, "activation", "silu") not in ("silu", "swish"):
+        raise CPInputError(f"{type(layer).__name__}: GDN context parallelism states the layer's conv with SiLU, "
+                           f"the layer has activation {layer.activation!r}")
     if attention_mask is not None:  # padded positions contribute nothing (HF zeroes them too)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     batch, length, _ = hidden_states.shape
     key_dim, value_dim = layer.head_k_dim, layer.head_v_dim
 
-    mixed = layer.in_proj_qkv(hidden_states).transpose(1, 2)  # [B, conv channels, T]
-    z = layer.in_proj_z(hidden_states).reshape(batch, length, -1, value_dim)
-    b = layer.in_proj_b(hidden_states)
-    a = layer.in_proj_a(hidden_states)
+    mixed, z, b, a = gdn_projections(layer, hidden_states)
+    mixed = mixed.transpose(1, 2)  # [B, conv channels, T]
 
     weight = layer.conv1d.weight
     history = F.pad(mixed.to(weight.dtype), (weight.shape[-1] - 1, 0))  # causal left context: CP fills it

@@ -17,6 +17,7 @@ from ..methods import HEAD_TAIL, AdapterSpec, register_adapter
 
 CACHE_KWARGS = ("past_key_values", "past_key_value", "cache")
 SLIDING_LAYER = "sliding_attention"  # transformers' `config.layer_types` entry for a windowed layer
+CHUNKED_LAYER = "chunked_attention"  # ... and for a layer attending within fixed chunks (Llama-4)
 
 
 class SdpaRegion:
@@ -26,6 +27,9 @@ class SdpaRegion:
     the attention is called with (`shard_batch` marks them there), so the recompute of a
     checkpointed layer reads its own batch's, whatever ran since. The module never sees them: they
     stay a graph input for the rewrite (`passes/sdpa/head_tail.py`)."""
+
+    # the module's own code runs in the region: audit it for ops reading the local length (audit/local_length.py)
+    audits_local_length = True
 
     def __init__(self, per_document: bool = False):
         self.reads_global_positions = per_document
@@ -55,10 +59,14 @@ class SdpaRegion:
         causal = {m.is_causal for _, m in attention}
         windows = [(window, name) for name, m in attention if (window := declared_window(m)) is not None]
         window, where = min(windows) if windows else (None, "")
+        chunks = [(chunk, name) for name, m in attention if (chunk := declared_chunk(m)) is not None]
+        chunk, chunk_where = min(chunks) if chunks else (None, "")
         return DeclaredAttention(
             causal=causal.pop() if len(causal) == 1 else None,
             window=window,
             window_module=f"{fqn}.{where}" if where else fqn,
+            chunk=chunk,
+            chunk_module=f"{fqn}.{chunk_where}" if chunk_where else fqn,
         )
 
 
@@ -79,6 +87,23 @@ def declared_window(module: nn.Module) -> int | None:
     if layer_types is not None and isinstance(layer, int) and layer < len(layer_types) and layer_types[layer] != SLIDING_LAYER:
         return None
     return _positive_int(getattr(config, "sliding_window", None))
+
+
+def declared_chunk(module: nn.Module) -> int | None:
+    """The attention chunk a transformers attention module applies, or None: its config's
+    `attention_chunk_size` on the layers `config.layer_types` marks `chunked_attention` (Llama-4's
+    RoPE layers). transformers builds that mask outside the attention, from the call's positions,
+    and when a chunk is at least a rank's shard the shard's mask looks plainly causal."""
+    config = getattr(module, "config", None)
+    chunk = _positive_int(getattr(config, "attention_chunk_size", None))
+    layer_types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if chunk is None:
+        return None
+    if layer_types is None:  # a config that names no layer types: Llama-4 chunks its RoPE layers
+        return None if getattr(module, "use_rope", True) in (0, False) else chunk
+    if not isinstance(layer, int) or layer >= len(layer_types) or layer_types[layer] != CHUNKED_LAYER:
+        return None
+    return chunk
 
 
 def _positive_int(value: Any) -> int | None:

@@ -3,6 +3,8 @@
 Passes are plain functions `name_pass(gm, ctx) -> gm`, run in this order:
 
 1. `find_cores_pass`   — the region holds the core kind its method rewrites (checks.py)
+   `local_length_pass` — ops reading the local sequence length: arange(length) → global
+                         positions, anything else refused (local_length.py)
 2. `sdpa_rewrite_pass` — SDPA cores → collectives + local attention (sdpa/)
    `gdn_rewrite_pass`  — GDN layers → conv halo + Ulysses / state chain / state gather (gdn/)
    `local_compute_pass` — a user's `local_compute_fn`: its collectives recorded and checked
@@ -27,6 +29,7 @@ import torch.fx as fx
 from ..context import PassContext
 from .checks import find_cores_pass, verify_pass
 from .gdn import gdn_rewrite_pass
+from .local_length import local_length_pass
 from .local_compute import local_compute_pass
 from .schedule import schedule_pass
 from .sdpa import sdpa_rewrite_pass
@@ -35,7 +38,7 @@ Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
 PIPELINE: tuple[Pass, ...] = (
-    find_cores_pass, sdpa_rewrite_pass, gdn_rewrite_pass, local_compute_pass, schedule_pass, verify_pass,
+    find_cores_pass, local_length_pass, sdpa_rewrite_pass, gdn_rewrite_pass, local_compute_pass, schedule_pass, verify_pass,
 )
 
 

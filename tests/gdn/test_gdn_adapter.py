@@ -87,3 +87,20 @@ def test_summary_and_state_input_reproduce_one_pass():
                                         s, 0.35, 8, "eager")
     assert rel(out, whole[:, second]) <= 1e-12
     assert m.shape == (1, 4, 8, 8)
+
+
+def test_qwen3_next_layer_is_a_gdn_layer_and_its_statement_matches_transformers():
+    """Qwen3-Next's GatedDeltaNet fuses its projections per key head (in_proj_qkvz, in_proj_ba);
+    the adapter's statement of it equals transformers' forward, padding included (to fp32 rounding:
+    transformers' torch core computes in fp32 whatever the input's dtype)."""
+    from model_zoo import build
+
+    model = build("qwen3_next", 0, torch.float64, mlp_only_layers=[0, 1])
+    layer = model.model.layers[0].linear_attn
+    assert type(layer).__name__ == "Qwen3NextGatedDeltaNet" and is_gdn_layer(layer)
+    assert not is_gdn_layer(model.model.layers[1].self_attn)
+    hidden = torch.randn(2, 21, 32, dtype=torch.float64)
+    mask = torch.ones(2, 21, dtype=torch.long)
+    mask[1, :4] = 0
+    ours = gdn_layer_forward(layer, hidden, mask, chunk_size=CHUNK, backend="eager")
+    assert rel(ours, layer(hidden, attention_mask=mask)) <= 1e-5

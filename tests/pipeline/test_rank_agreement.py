@@ -11,6 +11,12 @@ different sequence lengths per rank aborted inside gloo. Now:
 - the compiled model checks each call's `position_ids` against the plan's layout and this rank:
   the layout `shard_batch` marks on them, or, unmarked, their values (once per shape).
 
+Refusals agree (issue 30, item 1): a check that reads one rank's own data (here the document
+mask transformers builds on the one rank whose slice holds a document start, when a packed batch
+lacks shard_batch's all-ones mask) used to raise on that rank alone, while the other waited in
+its next collective and then aborted. The outcome of compile's probe, traces and passes, and of a
+re-trace, is now agreed over the cp group: every rank raises the same error, naming the rank.
+
 The scenarios run one after another on 2 gloo ranks; each fails on both ranks at the same point,
 so the ranks stay in step. The scenario that hung before runs last.
 """
@@ -62,11 +68,36 @@ def _head_tail_batch(batch: dict, mesh) -> dict:
     return cpcompile.shard_batch(batch, mesh, head_tail)
 
 
+def _packed_without_ones_mask(seed: int, length: int, mesh, plan) -> dict:
+    """A packed batch of two documents (the first 6 tokens long: its end lies on rank 0) sharded
+    as shard_batch does, then stripped of its all-ones attention mask: transformers then builds a
+    document mask on rank 0 only, which the rewrite refuses; rank 1's slice holds no document start."""
+    import cpcompile
+
+    batch = random_batch(seed, 1, length, padded=False)
+    batch["position_ids"] = torch.cat([torch.arange(6), torch.arange(length - 6)])[None]
+    local = cpcompile.shard_batch(batch, mesh, plan)
+    local.pop("attention_mask")
+    return local
+
+
+def _mask_refused_on_rank_zero(seed: int, at_retrace: bool) -> None:
+    import cpcompile
+
+    plan, mesh = _setup()
+    packed = _packed_without_ones_mask(seed, 16, mesh, plan)
+    example = cpcompile.shard_batch(random_batch(seed, 1, 8, padded=False), mesh, plan) if at_retrace else packed
+    model = cpcompile.compile(tiny_qwen3(seed), mesh, plan, example_inputs=example)
+    model(**packed).loss.backward()
+
+
 def _run(rank: int, world: int, seed: int) -> dict:
     batch = random_batch(seed, 1, 16, padded=False)
     own_length = random_batch(seed, 1, (16, 12)[rank], padded=False)
     unmarked = lambda local: dict(local, position_ids=local["position_ids"].clone())  # clone drops the marker
     return {
+        "mask_on_one_rank_at_compile": outcome_of(lambda: _mask_refused_on_rank_zero(seed, at_retrace=False)),
+        "mask_on_one_rank_at_retrace": outcome_of(lambda: _mask_refused_on_rank_zero(seed, at_retrace=True)),
         "lengths_at_compile": outcome_of(lambda: _train_step(seed, "sdpa_hf", own_length)),
         "lengths_at_retrace": outcome_of(
             lambda: _retrace_with(seed, batch, random_batch(seed, 1, (20, 12)[rank], padded=False))),
@@ -98,6 +129,10 @@ def results() -> list:
     ("lengths_at_retrace", "CPInputError",
      ["ranks of the cp group disagree", "model.layers.0.self_attn", "float32[1, 10, 32]", "float32[1, 6, 32]"]),
     ("global_batch", "CPInputError", ["position_ids", "shard_batch"]),
+    ("mask_on_one_rank_at_compile", "UnsupportedMaskError",
+     ["model.layers.0.self_attn", "attention mask", "cp rank 0 of 2 found this", "every rank"]),
+    ("mask_on_one_rank_at_retrace", "UnsupportedMaskError",
+     ["model.layers.0.self_attn", "attention mask", "cp rank 0 of 2 found this", "every rank"]),
     ("head_tail_batch", "CPInputError", ["sharded for the 'head_tail' layout", "'contiguous'"]),
     ("head_tail_batch_unmarked", "CPInputError", ["position_ids", "'contiguous' layout", "shard_batch"]),
 ])

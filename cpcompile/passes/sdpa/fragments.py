@@ -27,7 +27,22 @@ def check_self_attention(match: SdpaMatch, ctx: PassContext) -> tuple[int, int]:
             "the local shard (no KV cache, no cross-attention)"
         )
     check_declared_window(ctx, q_len * ctx.cp_size)
+    check_declared_chunk(ctx, q_len * ctx.cp_size)
     return q_len, q_len * ctx.cp_size
+
+
+def check_declared_chunk(ctx: PassContext, global_len: int) -> None:
+    """Refuse chunked attention whose chunk is shorter than the global sequence (a chunk covering it
+    is plain causal attention). Exactness would need the chunks as documents in every method's
+    local attention; until then it is refused rather than run as plain causal attention, which
+    is what a rank whose shard lies within one chunk would see."""
+    chunk = ctx.declared.chunk
+    if chunk is not None and chunk < global_len:
+        raise UnsupportedMaskError(
+            f"{ctx.fqn}: {ctx.declared.chunk_module} declares chunked attention (attention_chunk_size={chunk}) and "
+            f"the global sequence has {global_len} tokens; CP's local attention kernels have no attention chunks "
+            f"yet. Use sequences of at most {chunk} tokens"
+        )
 
 
 def check_declared_window(ctx: PassContext, global_len: int) -> None:
@@ -176,5 +191,27 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
     scale = match.scale if match.scale is not None else q.shape[-1] ** -0.5
     note_once(ctx, f"local attention: {kernel} blocks (one unpadded document), {masked_kernel} with padded keys "
                    "or documents; nothing S_q x S_kv")
-    return emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
-                     masked_kernel, query_positions, fake=local_attention_fake)
+    query, key, value, value_size = equal_head_sizes(emit, ctx, query, key, value)
+    output = emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
+                       masked_kernel, query_positions, fake=local_attention_fake)
+    if val(output).shape[-1] != value_size:
+        output = emit(aten.slice.Tensor, output, 3, 0, value_size)
+    return output
+
+
+def equal_head_sizes(emit: Emitter, ctx: PassContext, query: fx.Node, key: fx.Node,
+                     value: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node, int]:
+    """Q, K and V with one head size, and V's own. Multi-head latent attention (DeepSeek-V3) has a
+    value head size other than the query/key one, which the fused kernels refuse; padding the
+    smaller side with zeros is exact (zero query/key columns add nothing to a score, zero value
+    columns give zero output columns, cut off after) and costs only the padded columns, after the
+    collectives: K and V travel at their own sizes. The softmax scale was taken from Q before."""
+    qk_size, value_size = val(query).shape[-1], val(value).shape[-1]
+    if qk_size == value_size:
+        return query, key, value, value_size
+    width = max(qk_size, value_size)
+    note_once(ctx, f"value head size {value_size} differs from the query/key head size {qk_size} (multi-head latent "
+                   f"attention): the smaller padded with zeros to {width} for the local kernels, the output cut back")
+    query, key, value = (x if val(x).shape[-1] == width else emit(aten.constant_pad_nd.default, x, [0, width - val(x).shape[-1]])
+                         for x in (query, key, value))
+    return query, key, value, value_size
