@@ -15,7 +15,7 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
 | `VerificationError` | RuntimeError | a CP run differs from its reference beyond its tolerance (`train` with `verify: true`) |
 | `MissingDependencyError` | ImportError | a package a feature needs is not installed; the message names the pip extra |
-| `NonFiniteError` | FloatingPointError | with `CPCOMPILE_CHECK_FINITE=1`, a region computed NaN or Inf (`finite.py`) |
+| `NonFiniteError` | FloatingPointError | a step's loss or gradient norm is NaN or Inf (`cpcompile train`), or, with `CPCOMPILE_CHECK_FINITE=1`, a region's output or input gradient (`finite.py`) |
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a
 wrong argument type stays `TypeError`.
@@ -120,5 +120,6 @@ class MissingDependencyError(CPCompileError, ImportError):
 
 
 class NonFiniteError(CPCompileError, FloatingPointError):
-    """With ``CPCOMPILE_CHECK_FINITE=1``, a CP region's output or input gradient holds NaN or Inf;
-    the message names the region and the step."""
+    """A value training computed is NaN or Inf: a step's loss or gradient norm (the trainer stops
+    there), or, with ``CPCOMPILE_CHECK_FINITE=1``, a CP region's output or input gradient. The
+    message names the step, and the region where there is one."""

@@ -10,13 +10,9 @@ from typing import Callable
 
 import torch
 
-from ..errors import CPCompileError
+from ..errors import NonFiniteError
 
 GIB = 2.0 ** 30
-
-
-class NonFiniteError(CPCompileError, RuntimeError):
-    """The loss or the gradient norm of a step is NaN or infinite: training stops there."""
 
 
 def peak_memory_gib(device: str) -> float | None:

@@ -20,6 +20,7 @@ BUILTIN_BASE = {
     "GDNCapabilityError": RuntimeError,
     "VerificationError": RuntimeError,
     "MissingDependencyError": ImportError,
+    "NonFiniteError": FloatingPointError,
 }
 
 
@@ -46,6 +47,7 @@ def test_mask_error_is_an_input_error():
     errors.PlanError("accelerator.cp_size", "x" * 10_000),  # clipped, and still the same after pickling
     errors.VerificationError("train.verify: step 2: off"),
     errors.MissingDependencyError("pip install cpcompile[train]"),
+    errors.NonFiniteError("model.layers.0.linear_attn: the CP region's forward output has NaN or Inf"),
 ])
 def test_errors_pickle(err):
     back = pickle.loads(pickle.dumps(err))
