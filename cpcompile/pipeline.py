@@ -87,6 +87,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     # positions) and on no other: nothing here communicates, and the outcome is agreed once at the
     # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
     installs: list[InstalledRegion] = []
+    length_audits: dict = {}  # shared by the regions: alike modules called alike read the length alike
     signatures = {t.fqn: NOT_REACHED for t in targets}
     # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
     rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
@@ -98,7 +99,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         check_mixers(probe)
         for target in targets:
             args, kwargs = probe.inputs[target.fqn]
-            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
+            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents,
+                                        length_audits)
             signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
             installs.append(installed)
         failure = None
@@ -265,6 +267,35 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
                                 f"probe forward{hint if core == 'sdpa' else ''}")
 
 
+# attributes that number a layer without changing what its code does
+LAYER_NUMBERS = frozenset({"layer_idx", "layer_id", "layer_number"})
+
+
+def module_identity(module: nn.Module) -> tuple:
+    """What a module's forward does depends on: its classes, their plain attributes (a layer's
+    `use_rope`, `sliding_window`, ...) but not its layer number, and its parameter shapes."""
+    plain = (bool, int, float, str, type(None))
+    parts = []
+    for name, sub in module.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
+                             if isinstance(v, plain) and k not in LAYER_NUMBERS and not k.startswith("_")))
+        params = tuple((k, tuple(p.shape), p.dtype) for k, p in sub.named_parameters(recurse=False))
+        parts.append((name, type(sub), attrs, params))
+    return tuple(parts)
+
+
+def length_free_signature(key: tuple, length: int) -> tuple:
+    """A call's signature (`region.flatten_call`) with the local length taken out: every tensor
+    dimension and plain value equal to it becomes None."""
+    spec, described, autocast = key
+
+    def free(entry):
+        if entry[0] == "tensor":
+            return ("tensor", tuple(None if d == length else d for d in entry[1]), *entry[2:])
+        return (entry[0], None) if entry[1] == length and entry[0] == "int" else entry
+    return spec, tuple(free(entry) for entry in described), autocast
+
+
 def check_mixers(probe) -> None:
     """Refuse the modules outside the regions that mix sequence positions (`audit.mixers`): each
     rank would run them on its own slice alone."""
@@ -314,7 +345,8 @@ class InstalledRegion:
     """
 
     def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict,
-                 tp_linears: list | None = None, documents: DocumentFeed | None = None):
+                 tp_linears: list | None = None, documents: DocumentFeed | None = None,
+                 length_audits: dict | None = None):
         self.target = target
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
@@ -335,6 +367,8 @@ class InstalledRegion:
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
         self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
+        # audit/local_length.py's findings, by module and call with the length left out (`_length_reads`)
+        self.length_audits = length_audits if length_audits is not None else {}
         args, kwargs = self._prepare(args, kwargs)
         # at compile the group agrees on every region's first signature and outcome at once (`compile`)
         self.first_signature = shared_signature(args, kwargs)
@@ -409,9 +443,16 @@ class InstalledRegion:
                        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dim() == 3), None)
         if hidden is None or hidden.shape[1] < 2:
             return []
-        with local_tp_view(self.tp_linears):
-            return find_local_length_reads(self.target.module, self.region.forward, args, kwargs,
-                                           hidden.shape[0], hidden.shape[1])
+        # The audit's trace keeps the length symbolic, so its finding holds for every length of a call
+        # otherwise alike, and for every module alike (the layers of one model): a new length (the usual
+        # re-trace) and the next layer reuse it instead of another export (~1 s each on a CPU).
+        key = (module_identity(self.target.module),
+               length_free_signature(flatten_call(self.target.fqn, args, kwargs)[1], hidden.shape[1]))
+        if key not in self.length_audits:
+            with local_tp_view(self.tp_linears):
+                self.length_audits[key] = find_local_length_reads(self.target.module, self.region.forward, args,
+                                                                  kwargs, hidden.shape[0], hidden.shape[1])
+        return self.length_audits[key]
 
     def _trace_and_rewrite(self, args: tuple, kwargs: dict) -> RegionProgram:
         target = self.target

@@ -172,3 +172,24 @@ def test_the_symbolic_trace_tells_each_read_of_the_length(kind, what):
     assert [read.what for read in reads] == ([what] if what else [])
     assert all("test_llama4_and_local_length.py" in read.source for read in reads)
     assert [read.positions for read in reads] == ([True] if kind == "positions" else [False] * len(reads))
+
+
+def test_length_audit_is_shared_only_by_alike_modules_and_calls():
+    """The local-length audit's finding is reused for a module and call alike but for the layer number
+    and the length (`pipeline.module_identity`, `length_free_signature`), never across a difference
+    that can change what the code reads (Llama-4's `use_rope`, a parameter shape, another batch)."""
+    from cpcompile.pipeline import length_free_signature, module_identity
+    from cpcompile.region import flatten_call
+
+    class Attention(torch.nn.Module):
+        def __init__(self, layer_idx, use_rope, width=8):
+            super().__init__()
+            self.layer_idx, self.use_rope, self.proj = layer_idx, use_rope, torch.nn.Linear(width, width)
+
+    assert module_identity(Attention(0, True)) == module_identity(Attention(3, True))
+    assert module_identity(Attention(0, True)) != module_identity(Attention(0, False))
+    assert module_identity(Attention(0, True)) != module_identity(Attention(0, True, width=16))
+
+    def key(batch, length):
+        return length_free_signature(flatten_call("a", (torch.zeros(batch, length, 8),), {"n": length})[1], length)
+    assert key(1, 16) == key(1, 17) and key(1, 16) != key(2, 16)

@@ -36,26 +36,26 @@ def check_declared_chunk(ctx: PassContext, global_len: int) -> None:
     is plain causal attention). Exactness would need the chunks as documents in every method's
     local attention; until then it is refused rather than run as plain causal attention, which
     is what a rank whose shard lies within one chunk would see."""
-    chunk = ctx.declared.chunk
-    if chunk is not None and chunk < global_len:
-        raise UnsupportedMaskError(
-            f"{ctx.fqn}: {ctx.declared.chunk_module} declares chunked attention (attention_chunk_size={chunk}) and "
-            f"the global sequence has {global_len} tokens; CP's local attention kernels have no attention chunks "
-            f"yet. Use sequences of at most {chunk} tokens"
-        )
+    _refuse_shorter_span(ctx, global_len, ctx.declared.chunk, ctx.declared.chunk_module,
+                         "chunked attention (attention_chunk_size={})", "attention chunks", "")
 
 
 def check_declared_window(ctx: PassContext, global_len: int) -> None:
     """Refuse a sliding window that cuts the global sequence (a window covering it is plain
     causal attention). The local mask cannot be trusted for this: a window at least as long as
     a rank's shard looks fully causal on that shard, and transformers then passes no mask."""
-    window = ctx.declared.window
-    if window is not None and window < global_len:
+    _refuse_shorter_span(ctx, global_len, ctx.declared.window, ctx.declared.window_module,
+                         "sliding-window attention (sliding_window={})", "sliding window",
+                         ", or a model without sliding windows")
+
+
+def _refuse_shorter_span(ctx: PassContext, global_len: int, span: int | None, module: str, declares: str,
+                         kernels_lack: str, alternative: str) -> None:
+    if span is not None and span < global_len:
         raise UnsupportedMaskError(
-            f"{ctx.fqn}: {ctx.declared.window_module} declares sliding-window attention (sliding_window={window}) "
-            f"and the global sequence has {global_len} tokens; CP's local attention kernels have no sliding "
-            f"window yet. Use sequences of at most {window} tokens, or a model without sliding windows"
-        )
+            f"{ctx.fqn}: {module} declares {declares.format(span)} and the global sequence has {global_len} tokens; "
+            f"CP's local attention kernels have no {kernels_lack} yet. Use sequences of at most {span} "
+            f"tokens{alternative}")
 
 
 def core_is_causal(match: SdpaMatch, ctx: PassContext, traced_causal: bool, q_len: int) -> bool:
