@@ -87,7 +87,6 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     # positions) and on no other: nothing here communicates, and the outcome is agreed once at the
     # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
     installs: list[InstalledRegion] = []
-    length_audits: dict = {}  # shared by the regions: alike modules called alike read the length alike
     signatures = {t.fqn: NOT_REACHED for t in targets}
     # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
     rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
@@ -99,8 +98,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
         check_mixers(probe)
         for target in targets:
             args, kwargs = probe.inputs[target.fqn]
-            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents,
-                                        length_audits)
+            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
             signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
             installs.append(installed)
         failure = None
@@ -269,16 +267,23 @@ def check_coverage(targets: list[Target], core_sites: list[tuple[str, tuple[str,
 
 # attributes that number a layer without changing what its code does
 LAYER_NUMBERS = frozenset({"layer_idx", "layer_id", "layer_number"})
+# audit/local_length.py's findings, by region kind, module identity and call with the length left out,
+# for the whole process (least recently used dropped first)
+LENGTH_AUDITS: OrderedDict = OrderedDict()
+LENGTH_AUDITS_KEPT = 64
 
 
 def module_identity(module: nn.Module) -> tuple:
     """What a module's forward does depends on: its classes, their plain attributes (a layer's
-    `use_rope`, `sliding_window`, ...) but not its layer number, and its parameter shapes."""
+    `use_rope`, `sliding_window`, ...) but not its layer number, the configs they hold (as text),
+    and their parameter shapes."""
     plain = (bool, int, float, str, type(None))
     parts = []
     for name, sub in module.named_modules():
-        attrs = tuple(sorted((k, v) for k, v in vars(sub).items()
-                             if isinstance(v, plain) and k not in LAYER_NUMBERS and not k.startswith("_")))
+        attrs = tuple(sorted((k, v if isinstance(v, plain) else repr(sorted(v.to_dict().items())))
+                             for k, v in vars(sub).items()
+                             if (isinstance(v, plain) or callable(getattr(v, "to_dict", None)))
+                             and k not in LAYER_NUMBERS and not k.startswith("_")))
         params = tuple((k, tuple(p.shape), p.dtype) for k, p in sub.named_parameters(recurse=False))
         parts.append((name, type(sub), attrs, params))
     return tuple(parts)
@@ -345,8 +350,7 @@ class InstalledRegion:
     """
 
     def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict,
-                 tp_linears: list | None = None, documents: DocumentFeed | None = None,
-                 length_audits: dict | None = None):
+                 tp_linears: list | None = None, documents: DocumentFeed | None = None):
         self.target = target
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
@@ -367,8 +371,6 @@ class InstalledRegion:
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
         self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
-        # audit/local_length.py's findings, by module and call with the length left out (`_length_reads`)
-        self.length_audits = length_audits if length_audits is not None else {}
         args, kwargs = self._prepare(args, kwargs)
         # at compile the group agrees on every region's first signature and outcome at once (`compile`)
         self.first_signature = shared_signature(args, kwargs)
@@ -444,15 +446,21 @@ class InstalledRegion:
         if hidden is None or hidden.shape[1] < 2:
             return []
         # The audit's trace keeps the length symbolic, so its finding holds for every length of a call
-        # otherwise alike, and for every module alike (the layers of one model): a new length (the usual
-        # re-trace) and the next layer reuse it instead of another export (~1 s each on a CPU).
-        key = (module_identity(self.target.module),
+        # otherwise alike, and for every module alike (the layers of one model, the same model compiled
+        # again): a new length (the usual re-trace) and the next layer reuse it instead of another
+        # export (~1 s each on a CPU).
+        key = (type(self.region), module_identity(self.target.module),
                length_free_signature(flatten_call(self.target.fqn, args, kwargs)[1], hidden.shape[1]))
-        if key not in self.length_audits:
+        reads = LENGTH_AUDITS.get(key)
+        if reads is None:
             with local_tp_view(self.tp_linears):
-                self.length_audits[key] = find_local_length_reads(self.target.module, self.region.forward, args,
-                                                                  kwargs, hidden.shape[0], hidden.shape[1])
-        return self.length_audits[key]
+                reads = find_local_length_reads(self.target.module, self.region.forward, args, kwargs,
+                                                hidden.shape[0], hidden.shape[1])
+            LENGTH_AUDITS[key] = reads
+            if len(LENGTH_AUDITS) > LENGTH_AUDITS_KEPT:
+                LENGTH_AUDITS.popitem(last=False)
+        LENGTH_AUDITS.move_to_end(key)
+        return reads
 
     def _trace_and_rewrite(self, args: tuple, kwargs: dict) -> RegionProgram:
         target = self.target

@@ -177,7 +177,7 @@ def test_the_symbolic_trace_tells_each_read_of_the_length(kind, what):
 def test_length_audit_is_shared_only_by_alike_modules_and_calls():
     """The local-length audit's finding is reused for a module and call alike but for the layer number
     and the length (`pipeline.module_identity`, `length_free_signature`), never across a difference
-    that can change what the code reads (Llama-4's `use_rope`, a parameter shape, another batch)."""
+    that can change what the code reads (Llama-4's `use_rope`, its config, a parameter shape, another batch)."""
     from cpcompile.pipeline import length_free_signature, module_identity
     from cpcompile.region import flatten_call
 
@@ -186,7 +186,18 @@ def test_length_audit_is_shared_only_by_alike_modules_and_calls():
             super().__init__()
             self.layer_idx, self.use_rope, self.proj = layer_idx, use_rope, torch.nn.Linear(width, width)
 
+    class Config:
+        def __init__(self, tuning):
+            self.tuning = tuning
+
+        def to_dict(self):
+            return {"tuning": self.tuning}
+
     assert module_identity(Attention(0, True)) == module_identity(Attention(3, True))
+    configured = [Attention(0, True) for _ in range(3)]
+    for module, tuning in zip(configured, (True, True, False)):
+        module.config = Config(tuning)
+    assert module_identity(configured[0]) == module_identity(configured[1]) != module_identity(configured[2])
     assert module_identity(Attention(0, True)) != module_identity(Attention(0, False))
     assert module_identity(Attention(0, True)) != module_identity(Attention(0, True, width=16))
 
