@@ -49,24 +49,10 @@ def agree(mesh, what: str, fields: dict[str, str], error: type[Exception] = CPCo
 
     Every rank must call this at the same point with the same field names (they fix the size of
     what is gathered). The gathered buffer starts as this rank's own digests, so a group that
-    communicates nothing (the fake process group of structure tests) agrees.
+    communicates nothing (the fake process group of structure tests) agrees. `agree_on_outcome`
+    with no failure: one gather, the values only when they differ.
     """
-    size = mesh.cp_size
-    if size == 1:
-        return
-    mine = torch.tensor([digest(fields[name]) for name in fields], dtype=torch.int64, device=_device(mesh))
-    gathered = mine.repeat(size)
-    ALL_GATHER_INTO(gathered, mine, group=mesh.cp_group)
-    rows = gathered.view(size, -1).tolist()
-    if all(row == rows[0] for row in rows):
-        return
-    values: list = [None] * size
-    dist.all_gather_object(values, fields, group=mesh.cp_group)
-    differ = [name for i, name in enumerate(fields) if len({row[i] for row in rows}) > 1]
-    lines = [f"  {name}: {first_difference([v[name] for v in values])}" for name in differ]
-    raise error(f"ranks of the cp group disagree on {what}:\n" + "\n".join(lines)
-                + "\nevery rank must compile the same plan and model and feed the same shapes "
-                  "(each its own slice of one global batch: cpcompile.shard_batch)")
+    agree_on_outcome(mesh, what, fields, None, error)
 
 
 # A field a rank never reached, because an earlier step failed there: not a disagreement.
