@@ -156,7 +156,7 @@ def stress_layouts(smoke: bool):
 def stress(args):
     """One row per layout and regime: the worst relative error over o, the final state and every
     gradient, for each core and dtype, and which quantity it was."""
-    from cpcompile.kernels.gdn.stress import REGIMES, Regime, cpcompile_core, relative_errors, run_core, stress_case
+    from cpcompile.kernels.gdn.stress import REGIMES, Regime
 
     regimes = (Regime(0.75, 0.0), Regime(0.0, 1.0)) if args.smoke else REGIMES
     device = "cpu" if args.smoke else "cuda"
@@ -168,7 +168,18 @@ def stress(args):
             cores[f"fla-core {name}"] = ("fla", dtype)
     header = ["layout", "regime"] + list(cores) + ["ours <= fla-core (fp32 / bf16)"]
     lines = ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"]
-    nan_rows, worse = 0, []
+    worse = []
+    try:  # `timeout -s INT`: the report holds the rows measured so far
+        _stress_rows(args, regimes, cores, device, lines, worse)
+    except KeyboardInterrupt:
+        lines.insert(0, "**Interrupted (time limit): the rows below are what was measured.**\n")
+    nan_rows = sum(("nan" in line or "inf" in line) for line in lines if line.startswith("| ") and "regime" not in line)
+    return lines, nan_rows, worse if not args.smoke else None
+
+
+def _stress_rows(args, regimes, cores, device, lines, worse):
+    from cpcompile.kernels.gdn.stress import cpcompile_core, relative_errors, run_core, stress_case
+
     for lname, layout in stress_layouts(args.smoke).items():
         for i, regime in enumerate(regimes):
             case = stress_case(regime, layout, seed=100 + i, reference_device=device,
@@ -186,10 +197,8 @@ def stress(args):
                 if fla is not None and over:
                     worse.append(f"{lname} {regime} {name}: " + ", ".join(
                         f"{q} {ours[q]:.1e} vs {fla[q]:.1e}" for q in over))
-            nan_rows += any(v != v for e in errs.values() for v in e.values())
             lines.append(f"| {lname} | {regime} | " + " | ".join(cells) + " | " + " / ".join(verdicts) + " |")
             print(lines[-1], flush=True)
-    return lines, nan_rows, worse if not args.smoke else None
 
 
 def _worst(errors):
