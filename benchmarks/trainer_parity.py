@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cpcompile.trainer.compare import compare_configs  # noqa: E402
-from cpcompile.trainer.data import ByteTokenizer  # noqa: E402
+from cpcompile.trainer.tokenizer import ByteTokenizer  # noqa: E402
 
 PAIR = ("parity_qwen3_5_fsdp_cp.yaml", "parity_qwen3_5_single.yaml")
 BYTE_VOCAB = ByteTokenizer.vocab_size  # 256 bytes and the end-of-document id: 257

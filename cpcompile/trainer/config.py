@@ -42,10 +42,19 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       schedule: cosine          # cosine | constant (after the warmup)
       min_lr_ratio: 0.1         # cosine ends at lr * min_lr_ratio
     data:
-      source: synthetic         # synthetic (random token ids) | text | jsonl (a local file)
-      path: null                # text: documents separated by blank lines; jsonl: one object a line
-                                # (UTF-8 text: a binary file is refused)
-      text_field: text          # jsonl: the key holding a document
+      source: synthetic         # synthetic (random token ids) | text | jsonl | chat | prompt_completion
+                                # (a local file; chat and prompt_completion: instruction data, the loss
+                                # only on the assistant's / completion's tokens, chat.py says which)
+      path: null                # text: documents separated by blank lines (UTF-8; a binary file is
+                                # refused); the others: records, one JSON object a line, or the rows
+                                # of a Parquet file when the path ends in .parquet (pyarrow). chat:
+                                # `messages`, a list of {role, content}; prompt_completion: `prompt`
+                                # and `completion` strings
+      text_field: text          # jsonl: the key (Parquet: the column) holding a document
+      tokenizer: null           # a local tokenizer folder (tokenizer.json / tokenizer_config.json,
+                                # AutoTokenizer, no download): its EOS ends every document, its ids
+                                # must fit model vocab_size; chat needs one (its chat template).
+                                # null: UTF-8 bytes (ids 0..255, 256 ends a document)
       packing: false            # false: one document per row (padded / truncated); true: documents
                                 # packed end to end into full rows, position ids restarting at 0 per
                                 # document (synthetic: random document lengths); data.py says how
@@ -75,11 +84,13 @@ import torch
 from ..batch import required_multiple
 from ..errors import MissingDependencyError, PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
+from .records import check_parquet_file, is_parquet
+from .tokenizer import check_tokenizer_folder, tokenizer_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AC_MODES = ("off", "every_layer")
 SCHEDULES = ("cosine", "constant")
-DATA_SOURCES = ("synthetic", "text", "jsonl")
+DATA_SOURCES = ("synthetic", "text", "jsonl", "chat", "prompt_completion")
 GDN_BACKENDS = ("eager", "triton")
 
 
@@ -181,22 +192,41 @@ class DataSettings:
     path: str | None = None
     text_field: str = "text"
     packing: bool = False
+    tokenizer: str | None = None
 
     def validate(self) -> "DataSettings":
         check_choice("data.source", self.source, DATA_SOURCES)
         check_bool("data.packing", self.packing)
-        check_optional_string("data.path", self.path)
-        check_optional_string("data.text_field", self.text_field)
+        for name in ("path", "text_field", "tokenizer"):
+            check_optional_string(f"data.{name}", getattr(self, name))
         if self.source == "synthetic":
             if self.path is not None:
                 raise PlanError("data.path", "synthetic data reads no file: leave path out, or set data.source")
-        elif self.path is None:
-            raise PlanError("data.path", f"data.source {self.source} needs the path of a local file")
-        elif not os.path.isfile(self.path):
-            raise PlanError("data.path", f"no such file: {short_repr(self.path)}")
-        else:
-            check_text_file("data.path", self.path)
+            if self.tokenizer is not None:
+                raise PlanError("data.tokenizer", "synthetic data tokenizes nothing: leave tokenizer out, or set "
+                                                  "data.source")
+            return self
+        self._check_path()
+        if self.tokenizer is not None:
+            check_tokenizer_folder(self.tokenizer)
+        elif self.source == "chat":
+            raise PlanError("data.tokenizer", "data.source chat renders each conversation with a tokenizer's chat "
+                                              "template: set data.tokenizer to a local tokenizer folder")
         return self
+
+    def _check_path(self) -> None:
+        if self.path is None:
+            raise PlanError("data.path", f"data.source {self.source} needs the path of a local file")
+        if not os.path.isfile(self.path):
+            raise PlanError("data.path", f"no such file: {short_repr(self.path)}")
+        if not is_parquet(self.path):
+            check_text_file("data.path", self.path)
+        elif self.source == "text":
+            raise PlanError("data.source", f"text reads a plain text file, not the Parquet file "
+                                           f"{short_repr(self.path)}: a Parquet text column is data.source jsonl "
+                                           "(with data.text_field)")
+        else:
+            check_parquet_file("data.path", self.path)
 
 
 @dataclass(frozen=True)
@@ -259,7 +289,10 @@ def load_train_config(source: str | dict) -> TrainConfig:
                                         "dp_replicate_size = dp_shard_size = 1 (compare configs with "
                                         "`cpcompile compare` instead)")
     # model_config refuses a model type or key transformers does not know, before any process starts
-    _check_tensor_parallel(config, model_config(model))
+    transformers_config = model_config(model)
+    _check_tensor_parallel(config, transformers_config)
+    if config.data.source != "synthetic":  # the tokenizer serves the model: said before any process starts
+        tokenizer_for(config.data, transformers_config.get_text_config().vocab_size)
     return config
 
 
