@@ -64,19 +64,20 @@ def test_triton_core_as_accurate_as_eager(regime, layout):
 
 
 # the hardest regimes (correlated keys, no or weak decay) and one easy one
-DOUBLING_REGIMES = [Regime(0.75, 0.0), Regime(0.95, 0.0), Regime(0.95, 0.1), Regime(0.0, 1.0)]
+SUBSTITUTION_REGIMES = [Regime(0.75, 0.0), Regime(0.95, 0.0), Regime(0.95, 0.1), Regime(0.0, 1.0)]
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU interpreter set (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("regime", DOUBLING_REGIMES, ids=[str(r) for r in DOUBLING_REGIMES])
-def test_doubling_inverse_as_accurate_as_eager(monkeypatch, regime):
-    """The recursive-doubling inverse (``launch.INVERSE_BLOCK = 1``, all tensor-core dots), not the default yet."""
+@pytest.mark.parametrize("regime", SUBSTITUTION_REGIMES, ids=[str(r) for r in SUBSTITUTION_REGIMES])
+def test_substitution_inverse_as_accurate_as_eager(monkeypatch, regime):
+    """The blocked forward-substitution inverse (``launch.INVERSE_BLOCK = 16``), the alternative to
+    the default recursive doubling."""
     from cpcompile.kernels.gdn.triton import launch
 
-    monkeypatch.setattr(launch, "INVERSE_BLOCK", 1)
-    seed = 7 + DOUBLING_REGIMES.index(regime)
+    monkeypatch.setattr(launch, "INVERSE_BLOCK", 16)
+    seed = 7 + SUBSTITUTION_REGIMES.index(regime)
     layout = LAYOUTS["partial-grouped-h0"]
-    _as_accurate_as_eager(stress_case(regime, layout, seed), "cpu", f"{regime} doubling")
+    _as_accurate_as_eager(stress_case(regime, layout, seed), "cpu", f"{regime} substitution")
 
 
 def test_key_cosine_of_the_generator():

@@ -117,10 +117,12 @@ P2P_IDENTITY_BV = 64
 # 8 warps, next G prefetched: 32 took 0.063 / 0.159 ms at 16K / 64K, 64 0.064 / 0.186, 128 0.088 / 0.260
 # (results/gdn_p2p_output_variants_2026-12-01_NVIDIA-H200.md)
 P2P_CHAIN_BV = 32
-# rows of the diagonal blocks that prepare's chunk inverse inverts by forward substitution (on the CUDA
-# cores, BS - 1 steps) before its blocked steps (tensor-core dots, CHUNK_SIZE / BS - 1 of them); 1 selects
-# recursive doubling on the tensor cores alone (12 dots; exact in the interpreter, not yet timed on a GPU)
-INVERSE_BLOCK = 16
+# prepare's chunk inverse: 1 is recursive doubling on the tensor cores alone (12 dots); BS > 1 inverts
+# BS-row diagonal blocks by forward substitution (on the CUDA cores, BS - 1 steps) before its blocked
+# steps (CHUNK_SIZE / BS - 1 of them). Both stable (tests/kernels/test_gdn_stress.py); on an H200 at
+# 16K tokens prepare took 0.443 ms with 1, 0.455 with 8, 0.562 with 16
+# (results/gdn_kernels_2026-12-02_NVIDIA-H200_blocked-inverse.md)
+INVERSE_BLOCK = 1
 # value-column block of the plain output kernel
 OUTPUT_BV = 64
 # State-P2P: chunks per stored summary state (= per group of the summary's identity programs; the
