@@ -39,6 +39,12 @@ MARK = "_cpcompile_chunked_loss"
 CHECK_LOGIT_SCALE = 8.0
 
 
+def use_loss(model: nn.Module, settings) -> None:
+    """Install `train.loss: chunked` on a freshly built model (`full` needs nothing)."""
+    if settings.loss == "chunked":
+        use_chunked_loss(model, settings.loss_chunk_tokens)
+
+
 def use_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
     """Install the chunked loss on `model` (before CP, TP and FSDP2): afterwards
     `chunked_loss_sum(model, inputs, targets)` is this rank's loss sum."""
