@@ -105,8 +105,8 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         for start in range(0, rows.numel(), chunk_tokens):
             part = slice(start, start + chunk_tokens)
             logits, _ = _chunk_logits(hidden, weight, rows[part], dtype, softcap)
-            torch.logsumexp(logits, dim=1, out=log_sum_exp[part])
             target_logits = logits.gather(1, chosen[part].unsqueeze(1)).squeeze(1)
+            log_sum_exp[part] = _log_sum_exp_in_place(logits)
             total += (log_sum_exp[part] - target_logits).sum()
             del logits
         ctx.save_for_backward(hidden, weight, rows, chosen, log_sum_exp)
@@ -132,6 +132,13 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         if grad_weight is not None:
             grad_weight = grad_weight.to(weight.dtype)
         return grad_hidden, grad_weight, None, None, None
+
+
+def _log_sum_exp_in_place(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's log-sum-exp, overwriting `logits` (torch.logsumexp would allocate another
+    `[chunk, vocab]` buffer for the shifted exponentials)."""
+    largest = logits.amax(dim=1, keepdim=True)
+    return logits.sub_(largest).exp_().sum(dim=1).log_().add_(largest.squeeze(1))
 
 
 def _add_product(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
