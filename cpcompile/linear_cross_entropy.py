@@ -104,7 +104,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         for start in range(0, rows.numel(), chunk_tokens):
             part = slice(start, start + chunk_tokens)
-            logits, _ = _chunk_logits(hidden, weight, rows[part], dtype, softcap)
+            logits = _chunk_logits(hidden, weight, rows[part], dtype, softcap)[0]
             target_logits = logits.gather(1, chosen[part].unsqueeze(1)).squeeze(1)
             log_sum_exp[part] = _log_sum_exp_in_place(logits)
             total += (log_sum_exp[part] - target_logits).sum()
@@ -116,14 +116,14 @@ class _LinearCrossEntropySum(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total):
         hidden, weight, rows, chosen, log_sum_exp = ctx.saved_tensors
-        dtype = log_sum_exp.dtype
+        scale = grad_total.to(log_sum_exp.dtype)
         grad_hidden = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
         # float32 at least: a bfloat16 sum over chunks would round each chunk's share away
         grad_weight = torch.zeros_like(weight, dtype=loss_dtype(weight.dtype)) if ctx.needs_input_grad[1] else None
         for start in range(0, rows.numel(), ctx.chunk_tokens):
             part = slice(start, start + ctx.chunk_tokens)
-            grad_logits = _chunk_logit_gradient(hidden, weight, rows[part], chosen[part], log_sum_exp[part],
-                                                grad_total.to(dtype), ctx.softcap).to(hidden.dtype)
+            grad_logits = _chunk_logit_gradient(hidden, weight, rows[part], chosen[part], log_sum_exp[part], scale,
+                                                ctx.softcap).to(hidden.dtype)
             if grad_hidden is not None:
                 grad_hidden.index_copy_(0, rows[part], torch.mm(grad_logits, weight))
             if grad_weight is not None:

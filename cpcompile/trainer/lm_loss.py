@@ -48,6 +48,8 @@ def use_loss(model: nn.Module, settings) -> None:
 def use_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
     """Install the chunked loss on `model` (before CP, TP and FSDP2): afterwards
     `chunked_loss_sum(model, inputs, targets)` is this rank's loss sum."""
+    if uses_chunked_loss(model):
+        raise RuntimeError(f"use_chunked_loss: {type(model).__name__} has the chunked loss already")
     head = plain_linear_head(model)
     softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
     check_forward_only_applies_the_head(model, head, softcap)
@@ -58,6 +60,8 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
         targets = kwargs.pop(TARGETS_KEYWORD, None)
         if targets is None:
             return plain_forward(*args, **kwargs)
+        if args:
+            raise TypeError("the chunked loss takes the model's inputs by keyword (input_ids=..., ...)")
         return _loss_sum(model, kwargs, targets, chunk_tokens, softcap)
 
     model.forward = forward
