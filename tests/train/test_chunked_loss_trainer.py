@@ -15,7 +15,7 @@ from dist_utils import run_distributed
 from gdn_harness import TEXT, gdn_plan
 
 STEPS = 2
-# local tokens a step: 2 rows x 16 at cp 2; 6 divides neither that nor the valid tokens
+# local tokens a step: 2 rows x 16 at cp 2, which 6 does not divide (nor, mostly, the valid ones)
 CHUNK_TOKENS = 6
 QWEN3_TIED = dict(model_type="qwen3", vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=True)
