@@ -3,8 +3,16 @@ step, activation checkpointing + FSDP2 + CP, 20 steps; tokens/s, MFU and peak me
 
     python benchmarks/trainer_gpu.py                                   # one GPU, cp 1
     torchrun --nproc-per-node 2 benchmarks/trainer_gpu.py --cp 2       # two GPUs, cp 2
-    options: --steps 20 --seq-len 32768 --ac every_layer|off --compile-backend inductor --dry-run
+    options: --steps 20 --seq-len 32768 --ac every_layer --loss chunked --loss-chunk-tokens 4096
+             --compile-backend inductor --dry-run
     python benchmarks/trainer_gpu.py --small --device cpu --steps 2     # a smoke run of the script on CPU
+
+`--loss` and `--ac` take comma-separated lists (`--loss chunked,full --ac off,every_layer,every_n:2,selective`;
+`every_n:K` is the YAML `activation_checkpointing: {every_n: K}`, and the config says which modes
+it knows): every combination is built and run in turn in the same processes, and a table of one row
+per mode ends the output (tokens/s after the first step, peak allocated memory of rank 0, MFU).
+On one process a mode that runs out of GPU memory is a row saying so and the next mode runs; under
+torchrun the other ranks would wait for the one that failed, so there it ends the run.
 
 No network: the model is built from a config (random weights), the data are synthetic. Mixed
 precision: float32 parameters, FSDP2 computing in bfloat16 and reducing in float32; GDN layers on
@@ -33,7 +41,7 @@ SMALL = dict(MODEL, vocab_size=512, hidden_size=64, intermediate_size=128, num_h
              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 
 
-def config(args) -> dict:
+def config(args, loss: str = "chunked", ac="every_layer") -> dict:
     backend = "triton" if args.device == "cuda" else "eager"
     plan = {"accelerator": {"cp_size": args.cp}, "plan_overrides": [
         {"match": "*.linear_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
@@ -43,7 +51,8 @@ def config(args) -> dict:
     return {"model": SMALL if args.small else MODEL, **plan,
             "train": {"steps": args.steps, "seq_len": args.seq_len, "batch_size": 1, "lr": 3e-4, "seed": 0,
                       "dtype": "float32", "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
-                      "grad_clip": 1.0, "activation_checkpointing": args.ac, "gdn_backend": backend,
+                      "grad_clip": 1.0, "activation_checkpointing": ac, "gdn_backend": backend,
+                      "loss": loss, "loss_chunk_tokens": args.loss_chunk_tokens,
                       "compile_backend": args.compile_backend, "device": args.device},
             "optimizer": {"warmup_steps": 2}}
 
@@ -58,19 +67,14 @@ def flops_per_token(model, seq_len: int) -> float:
     return 6 * dense + 6 * attention_layers * seq_len * text.num_attention_heads * text.head_dim
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--seq-len", type=int, default=32768)
-    parser.add_argument("--cp", type=int, default=1)
-    parser.add_argument("--ac", default="every_layer", choices=("off", "every_layer"))
-    parser.add_argument("--compile-backend", default=None)
-    parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--dry-run", action="store_true")
-    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
-    parser.add_argument("--small", action="store_true", help="a tiny model of the same shape family (smoke runs)")
-    args = parser.parse_args()
+def ac_setting(name: str):
+    """`every_n:K` -> `{"every_n": K}` (the YAML mapping); any other name as it is."""
+    kind, _, k = name.partition(":")
+    return {kind: int(k)} if k else name
 
+
+def run_mode(args, loss: str, ac: str) -> dict:
+    """Build the trainer for one (loss, AC) mode and run its steps; -> its table row."""
     import torch
 
     from cpcompile.trainer import dry_run, load_train_config
@@ -78,16 +82,16 @@ def main() -> None:
     from cpcompile.trainer.metrics import format_step, summary
     from cpcompile.trainer.parallelize import is_rank_zero
 
-    train_config = load_train_config(config(args))
+    train_config = load_train_config(config(args, loss, ac_setting(ac)))
     if args.dry_run:
         dry_run(train_config)
-        return
+        return {"loss": loss, "ac": ac, "note": "dry run"}
     trainer = build_trainer(train_config)
     per_token = flops_per_token(trainer.model, args.seq_len)
     if is_rank_zero():
         params = sum(p.numel() for p in trainer.model.parameters())
         estimate = memory_estimate(train_config, params, trainer.model.config)
-        print(f"{params / 1e6:.1f} M parameters, {args.seq_len} tokens/step, cp {args.cp}, AC {args.ac}, "
+        print(f"{params / 1e6:.1f} M parameters, {args.seq_len} tokens/step, cp {args.cp}, loss {loss}, AC {ac}, "
               f"{per_token / 1e9:.2f} GFLOP/token; memory estimate per rank "
               + ", ".join(f"{k} {v:.3g} GiB" for k, v in estimate.items()), flush=True)
     records = []
@@ -97,8 +101,72 @@ def main() -> None:
         records.append(trainer.step(index))
         if is_rank_zero():
             print(format_step(records[-1], args.steps), flush=True)
+    peak_flops = args.peak_tflops * 1e12 * args.cp
     if is_rank_zero():
-        print(summary(records, args.seq_len, per_token, args.peak_tflops * 1e12 * args.cp), flush=True)
+        print(summary(records, args.seq_len, per_token, peak_flops), flush=True)
+    timed = records[1:] or records
+    seconds = sum(r["seconds"] for r in timed) / len(timed)
+    peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
+    return {"loss": loss, "ac": ac, "tokens_per_s": args.seq_len / seconds, "seconds": seconds,
+            "peak_gib": max(peaks) if peaks else None, "mfu": per_token * args.seq_len / seconds / peak_flops}
+
+
+def release_memory(device: str) -> None:
+    """What the last mode left: collected, and the CUDA cache emptied, so the next one's peak is its own."""
+    import gc
+
+    import torch
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| loss | AC | tokens/s | s/step | peak GiB (rank 0) | MFU |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        if "note" in row:
+            lines.append(f"| {row['loss']} | {row['ac']} | {row['note']} | | | |")
+            continue
+        peak = f"{row['peak_gib']:.2f}" if row["peak_gib"] is not None else "-"
+        lines.append(f"| {row['loss']} | {row['ac']} | {row['tokens_per_s']:.0f} | {row['seconds']:.3f} | {peak} | "
+                     f"{100 * row['mfu']:.1f}% |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--seq-len", type=int, default=32768)
+    parser.add_argument("--cp", type=int, default=1)
+    parser.add_argument("--ac", default="every_layer", help="comma-separated: off, every_layer, every_n:K, selective")
+    parser.add_argument("--loss", default="chunked", help="comma-separated: chunked, full")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
+    parser.add_argument("--compile-backend", default=None)
+    parser.add_argument("--peak-tflops", type=float, default=989.0)
+    parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--small", action="store_true", help="a tiny model of the same shape family (smoke runs)")
+    args = parser.parse_args()
+
+    import torch
+
+    from cpcompile.trainer.parallelize import is_rank_zero
+
+    single = int(os.environ.get("WORLD_SIZE", "1")) == 1
+    rows = []
+    for loss in args.loss.split(","):
+        for ac in args.ac.split(","):
+            try:
+                rows.append(run_mode(args, loss, ac))
+            except torch.OutOfMemoryError as exc:
+                if not single:
+                    raise
+                print(f"loss {loss}, AC {ac}: out of memory ({str(exc).splitlines()[0]})", flush=True)
+                rows.append({"loss": loss, "ac": ac, "note": "out of memory"})
+            release_memory(args.device)
+    if is_rank_zero():
+        print(table(rows), flush=True)
 
 
 if __name__ == "__main__":

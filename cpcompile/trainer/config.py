@@ -21,6 +21,11 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # in param_dtype and reduces gradients in reduce_dtype
       grad_clip: null           # or a positive max global gradient norm
       activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
+      loss: chunked             # chunked: the head and cross-entropy a chunk of tokens at a time, never
+                                # the [tokens, vocabulary] logits (trainer/lm_loss.py); full: the
+                                # model's logits, then F.cross_entropy (for comparison)
+      loss_chunk_tokens: 4096   # chunked: tokens per chunk; its logits [chunk, vocabulary] are the
+                                # loss's largest tensors
       compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer:
                                 # one torch.compiler.list_backends knows
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
@@ -89,6 +94,7 @@ from .tokenizer import check_tokenizer_folder, tokenizer_for
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AC_MODES = ("off", "every_layer")
+LOSS_MODES = ("chunked", "full")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "text", "jsonl", "chat", "prompt_completion")
 GDN_BACKENDS = ("eager", "triton")
@@ -105,6 +111,8 @@ class TrainSettings:
     mixed_precision: dict | None = None
     grad_clip: float | None = None
     activation_checkpointing: str = "off"
+    loss: str = "chunked"
+    loss_chunk_tokens: int = 4096
     compile_backend: str | None = None
     gdn_backend: str | None = None
     device: str = "cpu"
@@ -115,7 +123,7 @@ class TrainSettings:
     collective_timeout_s: float = 300.0
 
     def validate(self) -> "TrainSettings":
-        for name in ("steps", "seq_len", "batch_size"):
+        for name in ("steps", "seq_len", "batch_size", "loss_chunk_tokens"):
             check_size(f"train.{name}", getattr(self, name))
         check_positive_number("train.lr", self.lr)
         check_positive_number("train.verify_rtol", self.verify_rtol)
@@ -126,6 +134,7 @@ class TrainSettings:
             raise PlanError("train.seed", f"must be an integer, got {short_repr(self.seed)}")
         check_choice("train.dtype", self.dtype, DTYPES)
         check_choice("train.activation_checkpointing", _yaml_off(self.activation_checkpointing), AC_MODES)
+        check_choice("train.loss", self.loss, LOSS_MODES)
         if self.gdn_backend is not None:
             check_choice("train.gdn_backend", self.gdn_backend, GDN_BACKENDS)
         check_choice("train.device", self.device, ("cpu", "cuda", "npu"))

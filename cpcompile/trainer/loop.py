@@ -1,8 +1,10 @@
 """The training loop: build (mesh, data, model, CP, AC, FSDP2, AdamW + schedule), resume, then
 one optimizer step per global batch, logging and checkpointing as the config says.
 
-Each step: this replica's rows (`data.py`), `shard_batch` for this CP rank, forward to the logits,
-this rank's summed token loss, `global_mean_loss` over `dp x cp` (each valid token counted once;
+Each step: this replica's rows (`data.py`), `shard_batch` for this CP rank, this rank's summed
+token loss (`train.loss: chunked`, the default: the model's last hidden state, then the head and
+cross-entropy a chunk of tokens at a time, `lm_loss.py`; `full`: the logits, then
+`F.cross_entropy`), `global_mean_loss` over `dp x cp` (each valid token counted once;
 gradients are the rank's share, summed by FSDP2), backward, the global gradient norm (clipped
 with `train.grad_clip`), AdamW, the LR schedule. Global rank 0 logs.
 
@@ -34,6 +36,7 @@ from ..plan import Plan
 from . import checkpoint
 from .config import DTYPES, TrainConfig, TrainSettings
 from .data import TokenStream
+from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
 from .progress import Progress
 from .startup import check_before_building
@@ -89,11 +92,21 @@ def build_optimizer(model: torch.nn.Module, config: TrainConfig):
 
 def token_loss_sum(model, batch: dict, targets: torch.Tensor) -> torch.Tensor:
     """Sum of the next-token cross-entropies over the valid `targets` (already shifted), in
-    float32 at least (float64 for a float64 model)."""
+    float32 at least (float64 for a float64 model): chunked when the model has the chunked loss
+    installed (`use_loss`), else from the model's logits."""
+    if uses_chunked_loss(model):
+        return chunked_loss_sum(model, batch, targets)
     logits = model(**{**batch, "use_cache": False}).logits
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return F.cross_entropy(logits.flatten(0, 1).to(dtype), targets.flatten(), ignore_index=IGNORE_INDEX,
                            reduction="sum")
+
+
+def probe_inputs(model: torch.nn.Module, sharded: dict) -> dict:
+    """What CP's probe forward calls the model with: the step's own call, so that with the
+    chunked loss the probe never forms the whole logits either."""
+    inputs, targets = _split_targets(sharded)
+    return chunked_loss_inputs(inputs, targets) if uses_chunked_loss(model) else inputs
 
 
 def _split_targets(batch: dict) -> tuple[dict, torch.Tensor]:
@@ -197,12 +210,13 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None) -> Trai
         root.get_local_rank("dp_shard")
     dump = rank_dump_dir(settings.dump_dir, dist.get_rank())
     model = build_model(config.model, settings)
+    use_loss(model, settings)
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
     if config.plan.accelerator.tp_size > 1:
         apply_tensor_parallel(model, mesh)
     progress.at("compile")
-    cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=_split_targets(first)[0])
+    cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=probe_inputs(model, first))
     progress.at("start")
     use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     if settings.ac_mode == "every_layer":
@@ -228,6 +242,7 @@ def _references(config: TrainConfig) -> dict[str, tuple]:
     references = {}
     for name, variant in variants.items():
         model = build_model(config.model, variant)
+        use_loss(model, variant)
         use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
         references[name] = (model, *build_optimizer(model, config))
     return references
@@ -329,7 +344,8 @@ def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str,
     """A rough per-rank estimate: parameters, gradients and two AdamW moments, sharded over
     dp_shard x cp and split over tp (as if TP split them all: its linears are most of them); the
     saved activations (one hidden state per layer with activation checkpointing, ~16 per layer
-    without); the logits and their float32 loss copies."""
+    without); the logits and their float32 loss copies (of one chunk of `train.loss_chunk_tokens`
+    with the chunked loss)."""
     settings, accelerator = config.train, config.plan.accelerator
     element = torch.empty((), dtype=DTYPES[settings.dtype]).element_size()
     shards = accelerator.dp_shard_size * accelerator.cp_size * accelerator.tp_size
@@ -339,7 +355,8 @@ def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str,
     gib = 2.0 ** 30
     states = 4 * params * element / shards / gib
     activations = text.num_hidden_layers * per_layer * tokens * text.hidden_size * element / gib
-    logits = tokens * text.vocab_size * (element + 8) / gib
+    logit_rows = tokens if settings.loss == "full" else min(tokens, settings.loss_chunk_tokens)
+    logits = logit_rows * text.vocab_size * (element + 8) / gib
     return {"states": states, "activations": activations, "logits": logits,
             "total": states + activations + logits}
 
