@@ -58,6 +58,8 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       folder: null              # DCP checkpoints: <folder>/step-<n>
       interval: 0               # save every `interval` steps (and after the last step run)
       resume: true              # start from the latest checkpoint in the folder, when there is one
+      export: false             # at the end, write the last checkpoint as a Hugging Face folder to
+                                # <folder>/hf (as `cpcompile export` does: trainer/export.py)
 
 Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` x `tp_size` processes
 (`cpcompile train --nproc-per-node N`, or torchrun); FSDP2 shards over `dp_shard x cp` and
@@ -210,6 +212,7 @@ class CheckpointSettings:
     folder: str | None = None
     interval: int = 0
     resume: bool = True
+    export: bool = False
 
     def validate(self) -> "CheckpointSettings":
         check_optional_string("checkpoint.folder", self.folder)
@@ -218,6 +221,10 @@ class CheckpointSettings:
         if self.interval and self.folder is None:
             raise PlanError("checkpoint.interval", "saving every few steps needs checkpoint.folder")
         check_bool("checkpoint.resume", self.resume)
+        check_bool("checkpoint.export", self.export)
+        if self.export and self.folder is None:
+            raise PlanError("checkpoint.export", "exports the last checkpoint to <checkpoint.folder>/hf: needs "
+                                                 "checkpoint.folder")
         return self
 
 

@@ -34,6 +34,7 @@ from ..plan import Plan
 from . import checkpoint
 from .config import DTYPES, TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
+from .export import export_folder, export_from_ranks
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
 from .progress import Progress
 from .startup import check_before_building
@@ -256,8 +257,9 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     one (with `train.collective_timeout_s`). `stop_after` ends the run after that step (as a
     preempted job would), schedule unchanged. With `checkpoint.folder`, a checkpoint is saved
     every `interval` steps and after the last step run; the latest one there is resumed from when
-    `checkpoint.resume`. A collective that fails is a `CollectiveError` naming the step and phase
-    (progress.py)."""
+    `checkpoint.resume`; with `checkpoint.export`, the last one is then written as a Hugging Face
+    folder, `<checkpoint.folder>/hf` (export.py). A collective that fails is a `CollectiveError`
+    naming the step and phase (progress.py)."""
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
         return _train(config, log, stop_after, progress)
@@ -292,6 +294,12 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
                                 checkpoint.run_facts(config))
     finally:
         metrics.close()
+    if saving.export:
+        progress.at("export")
+        step = checkpoint.step_folder(saving.folder, checkpoint.latest_step(saving.folder))
+        export_from_ranks(step, export_folder(saving.folder))
+        if is_rank_zero():
+            log(f"exported {step} as a Hugging Face folder: {export_folder(saving.folder)}")
     if is_rank_zero():
         if settings.verify and records:
             log(f"verify: PASS: {_tolerance(settings)}, every step of {len(records)}")
