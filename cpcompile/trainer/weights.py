@@ -181,6 +181,16 @@ def check_weights_fit(model: torch.nn.Module, folder: str) -> None:
 # --------------------------------------------------------------------------- building and loading
 
 
+def meta_twin(model: torch.nn.Module) -> torch.nn.Module:
+    """`model`'s transformers class built again from its config on the meta device: what the
+    name rules are looked up on. FSDP2 swaps a wrapped model's class for a subclass of its own,
+    which transformers takes for custom code and gives none of its renaming rules."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(model.config)
+
+
 @contextlib.contextmanager
 def parameters_on_meta():
     """Modules built inside get their parameters on the meta device and keep their buffers real
@@ -217,6 +227,6 @@ def load_pretrained(model: torch.nn.Module, folder: str) -> None:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
     state = get_model_state_dict(model)
-    names = match_tensors(model, {k: tuple(v.shape) for k, v in state.items()}, folder)
+    names = match_tensors(meta_twin(model), {k: tuple(v.shape) for k, v in state.items()}, folder)
     dcp.load({key: state[target] for target, key in names.items()}, storage_reader=HuggingFaceStorageReader(folder))
     set_model_state_dict(model, state)
