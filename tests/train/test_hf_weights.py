@@ -3,8 +3,9 @@ export`, `checkpoint.export: true`): real gloo runs, float32, fresh random weigh
 
 - Loaded into the parallelized model (FSDP2; cp 1 built on the meta device, cp 2 rewritten by CP
   first), the first step's loss is `from_pretrained`'s on the same batch within 1e-6: tiny
-  Qwen3.5 (GDN and full-attention layers, one file or 7 shards with an index) and Qwen3 (tied
-  embeddings, no `lm_head.weight` in the file).
+  Qwen3.5 (GDN and full-attention layers, one file or 7 shards with an index; and the
+  vision-language checkpoint's `model.language_model.*` into the text model) and Qwen3 (tied
+  embeddings, no `lm_head.weight` in the file; also a bfloat16 file into the float32 run).
 - Trained at dp_shard 2 x cp 2 and exported, `from_pretrained` gives the trained weights' logits
   (whole, gathered from the ranks) within 1e-6; so does the command line's sharded export, and a
   run started from the export has `from_pretrained`'s loss.
@@ -33,7 +34,9 @@ def folders(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf")
     return {"qwen3_5": save_folder(str(root / "qwen3_5"), "qwen3_5", seed),
             "qwen3_5_sharded": save_folder(str(root / "qwen3_5_sharded"), "qwen3_5", seed + 1, max_shard_size="40KB"),
-            "qwen3": save_folder(str(root / "qwen3"), "qwen3", seed + 2)}
+            "qwen3": save_folder(str(root / "qwen3"), "qwen3", seed + 2),
+            "qwen3_5_vl": save_folder(str(root / "qwen3_5_vl"), "qwen3_5_vl", seed + 3),
+            "qwen3_bfloat16": save_folder(str(root / "qwen3_bfloat16"), "qwen3", seed + 4, dtype=torch.bfloat16)}
 
 
 def _first_losses(rank: int, world: int, configs: dict) -> dict:
@@ -46,7 +49,8 @@ def _first_losses(rank: int, world: int, configs: dict) -> dict:
 # (folder, model, cp, dp_shard) on 2 ranks: cp 1 builds on the meta device, cp 2 runs the CP probe first
 LOADS = {"qwen3_5_cp1": ("qwen3_5", "qwen3_5", 1, 2), "qwen3_5_cp2": ("qwen3_5", "qwen3_5", 2, 1),
          "qwen3_5_sharded_cp1": ("qwen3_5_sharded", "qwen3_5", 1, 2), "qwen3_cp1": ("qwen3", "qwen3", 1, 2),
-         "qwen3_cp2": ("qwen3", "qwen3", 2, 1)}
+         "qwen3_cp2": ("qwen3", "qwen3", 2, 1), "qwen3_5_vl_cp1": ("qwen3_5_vl", "qwen3_5_vl", 1, 2),
+         "qwen3_bfloat16_cp1": ("qwen3_bfloat16", "qwen3", 1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,7 @@ def test_first_step_loss_is_the_pretrained_models(folders, loaded, name):
 def test_weights_random_keeps_the_seeded_initialisation(loaded):
     """`weights: random` with the same folder: its config.json only, so another loss (the check above can fail)."""
     _, losses = loaded
-    assert abs(losses["random"] - losses["qwen3_cp1"]) > 1e-3 * losses["qwen3_cp1"], losses
+    assert abs(losses["random"] - losses["qwen3_cp1"]) > 1e-2 * losses["qwen3_cp1"], losses
 
 
 def _train_and_export(rank: int, world: int, folder: str, checkpoints: str) -> dict:
