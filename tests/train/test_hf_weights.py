@@ -299,12 +299,13 @@ def test_export_refuses_a_folder_that_is_not_empty(trained, tmp_path):
     assert os.listdir(tmp_path) == ["keep.txt"]
 
 
-def test_export_refuses_what_is_not_a_checkpoint(folders, tmp_path):
-    from cpcompile.errors import CPConfigError
-    from cpcompile.trainer.export import export
+def test_export_refuses_what_is_not_a_checkpoint_in_one_line(folders, tmp_path, capsys):
+    from cpcompile.cli import main
 
-    with pytest.raises(CPConfigError, match="is not a checkpoint"):
-        export(folders["qwen3"], str(tmp_path / "out"))
+    assert main(["export", folders["qwen3"], str(tmp_path / "out")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"cpcompile export: error: {folders['qwen3']} is not a checkpoint")
+    assert not os.path.exists(tmp_path / "out")
 
 
 def test_export_copies_the_runs_tokenizer_files(trained, tmp_path):
@@ -327,3 +328,18 @@ def test_export_copies_the_runs_tokenizer_files(trained, tmp_path):
     export(step, out)
     copied = sorted(name for name in os.listdir(out) if (tmp_path / "out" / name).read_bytes() == name.encode())
     assert copied == wanted, copied  # not README.md, and the exported weights are not the tokenizer folder's file
+
+
+def test_export_refuses_a_checkpoint_without_its_config(trained, tmp_path):
+    """A step saved before checkpoints recorded config.json: refused, naming the file."""
+    import shutil
+
+    from cpcompile.errors import CPConfigError
+    from cpcompile.trainer import checkpoint
+    from cpcompile.trainer.export import export
+
+    checkpoints, _ = trained
+    step = shutil.copytree(checkpoint.step_folder(checkpoints, TRAINED_STEPS), str(tmp_path / "step"))
+    os.remove(os.path.join(step, "config.json"))
+    with pytest.raises(CPConfigError, match=f"{step}/config.json is missing"):
+        export(step, str(tmp_path / "out"))
