@@ -79,16 +79,20 @@ class Export:
         names = [name for name in model.state_dict() if name not in tied]
         self.sizes = {name: tuple(saved[resume_checks.MODEL_PREFIX + name].size) for name in names}
         self.saved_dtypes = {name: saved[resume_checks.MODEL_PREFIX + name].properties.dtype for name in names}
+        # the dtype trained (train.dtype: every parameter has it), unless asked for another
         self.dtype = DTYPES[dtype] if dtype is not None else self.saved_dtypes[names[0]]
         self.shards = self._group(names, max_shard_bytes)
         self.tokenizer = tokenizer_folder(step)
 
+    def _bytes(self, name: str) -> int:
+        """The size of tensor `name` as written."""
+        return torch.Size(self.sizes[name]).numel() * torch.empty((), dtype=self.dtype).element_size()
+
     def _group(self, names: list[str], max_shard_bytes: int) -> list[list[str]]:
-        element = torch.empty((), dtype=self.dtype).element_size()
         shards: list[list[str]] = [[]]
         used = 0
         for name in names:
-            size = element * torch.Size(self.sizes[name]).numel()
+            size = self._bytes(name)
             if shards[-1] and used + size > max_shard_bytes:
                 shards.append([])
                 used = 0
@@ -118,8 +122,7 @@ class Export:
         self.config.save_pretrained(folder)
         files = shard_names(len(self.shards))
         if len(files) > 1:
-            element = torch.empty((), dtype=self.dtype).element_size()
-            total = sum(element * torch.Size(size).numel() for size in self.sizes.values())
+            total = sum(self._bytes(name) for name in self.sizes)
             weight_map = {name: files[k] for k, shard in enumerate(self.shards) for name in shard}
             with open(os.path.join(folder, INDEX_FILE), "w", encoding="utf-8") as handle:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, handle, indent=2)
