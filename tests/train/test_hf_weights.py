@@ -343,3 +343,20 @@ def test_export_refuses_a_checkpoint_without_its_config(trained, tmp_path):
     os.remove(os.path.join(step, "config.json"))
     with pytest.raises(CPConfigError, match=f"{step}/config.json is missing"):
         export(step, str(tmp_path / "out"))
+
+
+def test_export_in_another_dtype(trained, tmp_path):
+    """`--dtype bfloat16`: the tensors and config.json's dtype are bfloat16, the values the trained ones rounded."""
+    from safetensors import safe_open
+
+    from cpcompile.cli import main
+
+    checkpoints, out = trained
+    target = str(tmp_path / "bf16")
+    assert main(["export", checkpoints, target, "--dtype", "bfloat16"]) == 0
+    with open(os.path.join(target, "config.json"), encoding="utf-8") as handle:
+        assert json.load(handle)["dtype"] == "bfloat16"
+    with safe_open(os.path.join(target, "model.safetensors"), "pt") as handle:
+        assert set(handle.keys()) == set(out["weights"])
+        for name in handle.keys():
+            assert torch.equal(handle.get_tensor(name), out["weights"][name].to(torch.bfloat16)), name
