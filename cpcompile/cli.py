@@ -4,6 +4,7 @@
     python -m cpcompile train --nproc-per-node N CONFIG.yaml          # train: FSDP2 x CP, the config's plan
     python -m cpcompile compare A.yaml B.yaml --steps N               # two configs' runs, step by step
     python -m cpcompile bench --nproc-per-node N CONFIG.yaml          # time its step, with and without CP
+    python -m cpcompile export CHECKPOINT_DIR OUT_DIR                 # a checkpoint as a Hugging Face folder
 
 `--nproc-per-node N` starts the N workers itself (launch.py, with torchrun's own launcher) after
 checking the config; `torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml` runs the same
@@ -38,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "inspect":
             print(inspect(args.dump_dir), end="")
             return 0
+        if args.command == "export":
+            return _export(args)
         if args.command == "compare":
             from .trainer.compare import compare_configs
 
@@ -86,7 +89,28 @@ def _parser() -> argparse.ArgumentParser:
                         help="also time the model without CP on the whole sequence")
     timing.add_argument("--nproc-per-node", type=int, default=None,
                         help="start this many workers here (the config's mesh size), instead of running under torchrun")
+    out = commands.add_parser("export", parents=[common],
+                              help="write a train checkpoint as a Hugging Face folder (from_pretrained reads it)")
+    out.add_argument("checkpoint", help="a checkpoint step folder (<checkpoint.folder>/step-<n>), or a "
+                                        "checkpoint.folder (its latest complete step)")
+    out.add_argument("out_dir", help="the folder to write (new, or empty)")
+    out.add_argument("--dtype", choices=("float32", "bfloat16", "float64"), default=None,
+                     help="the weights' dtype (default: as trained)")
+    out.add_argument("--max-shard-mb", type=float, default=5000,
+                     help="largest safetensors file, in MB (1e6 bytes; default 5000, transformers' 5GB); larger "
+                          "weights are sharded, with an index")
     return parser
+
+
+def _export(args) -> int:
+    from .errors import CPConfigError
+    from .trainer.export import export
+
+    if not args.max_shard_mb > 0:
+        raise CPConfigError(f"--max-shard-mb must be positive, got {args.max_shard_mb}")
+    step = export(args.checkpoint, args.out_dir, args.dtype, int(args.max_shard_mb * 1e6))
+    print(f"exported {step} to {args.out_dir}")
+    return 0
 
 
 def report(command: str, exc: BaseException) -> int:

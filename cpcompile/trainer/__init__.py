@@ -3,7 +3,9 @@
 - `config`: the YAML (model, train, optimizer, data, checkpoint + the CP plan), field-path errors;
 - `data`: the global token stream, split over data-parallel replicas;
 - `parallelize`: the model, then TP, CP rewrite, activation checkpointing, torch.compile, FSDP2 over dp_shard x cp;
+- `weights`: pretrained weights from a local Hugging Face folder, each rank reading its own slices;
 - `checkpoint`: DCP save / resume;
+- `export`: a checkpoint as a Hugging Face folder (`cpcompile export`, `checkpoint.export`);
 - `loop`: the step and the run (`train`, `dry_run`);
 - `metrics`: step lines, JSONL, summary, non-finite stop, plots;
 - `compare`: two configs' runs judged step by step (`cpcompile compare`).

@@ -2,8 +2,9 @@
 
 Saved: the model and optimizer state (`get_state_dict`, sharded DTensors as FSDP2 holds them;
 DCP reshards them on load, so a run may resume with another dp_shard / dp_replicate size), the
-LR scheduler, the step (which is the data position: `data.py`), and each rank's RNG states
-(`rng-rank<r>.pt` beside the DCP files; a rank that finds none of its own takes rank 0's). A
+LR scheduler, the step (which is the data position: `data.py`), each rank's RNG states
+(`rng-rank<r>.pt` beside the DCP files; a rank that finds none of its own takes rank 0's), and
+the model's transformers config (`config.json`, for `export.py`). A
 checkpoint's CP size must be the run's: another one is refused (`trainer.json` records it). So is
 another LR schedule (`train.steps`, `train.lr`, `optimizer.warmup_steps`, `optimizer.schedule`,
 `optimizer.min_lr_ratio`): the scheduler and the optimizer's learning rates are restored as
@@ -12,6 +13,7 @@ one's — two schedules mixed, silently. A run meant to go longer starts a new c
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,6 +28,7 @@ from . import resume_checks
 
 STEP_FOLDER = re.compile(r"^step-(\d+)$")
 META_FILE = "trainer.json"
+CONFIG_FILE = "config.json"  # the model's transformers config
 
 
 def step_folder(folder: str, step: int) -> str:
@@ -42,10 +45,11 @@ def latest_step(folder: str | None) -> int | None:
 
 
 def run_facts(config) -> dict:
-    """What trainer.json records of the run besides the step: the mesh sizes and the LR schedule."""
+    """What trainer.json records of the run besides the step: the mesh sizes, the LR schedule, and
+    the data settings (`export` reads the tokenizer folder from them)."""
     accelerator = config.plan.accelerator
     facts = {name: getattr(accelerator, name) for name in ("cp_size", "dp_shard_size", "dp_replicate_size")}
-    return {**facts, "schedule": schedule_fields(config)}
+    return {**facts, "schedule": schedule_fields(config), "data": dataclasses.asdict(config.data)}
 
 
 def schedule_fields(config) -> dict:
@@ -90,16 +94,18 @@ def check_schedule(saved: dict | None, now: dict, where: str) -> None:
 
 
 def save(folder: str, step: int, model, optimizer, scheduler, facts: dict) -> str:
-    """Every rank: DCP-save the states of `step` (completed steps); rank 0 writes trainer.json
-    (the step and `facts`: `run_facts`) last."""
+    """Every rank: DCP-save the states of `step` (completed steps); rank 0 writes the model's
+    transformers config (config.json, what `export` writes out with the weights), then
+    trainer.json (the step and `facts`: `run_facts`) last."""
     path = step_folder(folder, step)
     model_state, optim_state = get_state_dict(model, optimizer)
     dcp.save({"model": model_state, "optim": optim_state, "scheduler": scheduler.state_dict()}, checkpoint_id=path)
     torch.save(_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
+        model.config.to_json_file(os.path.join(path, CONFIG_FILE))
         with open(os.path.join(path, META_FILE), "w", encoding="utf-8") as handle:
-            json.dump({"step": step, **facts}, handle)
+            json.dump({"step": step, **facts}, handle, default=str)
     dist.barrier()
     return path
 

@@ -8,7 +8,12 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       hidden_size: 64
     # or
     model:
-      path: /models/my-model    # a local folder holding config.json (random weights; no download)
+      path: /models/my-model    # a local Hugging Face folder: config.json and its weights (model.safetensors,
+                                # or shards + model.safetensors.index.json); nothing is downloaded
+      weights: pretrained       # pretrained (with path; a folder without safetensors is refused) | random
+                                # (seeded; with path: its config.json only). Loaded after TP, CP, AC and
+                                # FSDP2, each rank reading its own slices (trainer/weights.py); not when
+                                # the run resumes from a checkpoint
     train:
       steps: 10                 # optimizer steps
       seq_len: 256              # tokens per sequence (global, before CP sharding)
@@ -67,6 +72,8 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       folder: null              # DCP checkpoints: <folder>/step-<n>
       interval: 0               # save every `interval` steps (and after the last step run)
       resume: true              # start from the latest checkpoint in the folder, when there is one
+      export: false             # at the end, write the last checkpoint as a Hugging Face folder to
+                                # <folder>/hf (as `cpcompile export` does: trainer/export.py)
 
 Mesh: `accelerator.dp_replicate_size` x `dp_shard_size` x `cp_size` x `tp_size` processes
 (`cpcompile train --nproc-per-node N`, or torchrun); FSDP2 shards over `dp_shard x cp` and
@@ -91,6 +98,7 @@ from ..errors import MissingDependencyError, PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
 from .records import check_parquet_file, is_parquet
 from .tokenizer import check_tokenizer_folder, tokenizer_for
+from .weights import WEIGHTS_CHOICES, weights_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 AC_MODES = ("off", "every_layer")
@@ -243,6 +251,7 @@ class CheckpointSettings:
     folder: str | None = None
     interval: int = 0
     resume: bool = True
+    export: bool = False
 
     def validate(self) -> "CheckpointSettings":
         check_optional_string("checkpoint.folder", self.folder)
@@ -251,6 +260,10 @@ class CheckpointSettings:
         if self.interval and self.folder is None:
             raise PlanError("checkpoint.interval", "saving every few steps needs checkpoint.folder")
         check_bool("checkpoint.resume", self.resume)
+        check_bool("checkpoint.export", self.export)
+        if self.export and self.folder is None:
+            raise PlanError("checkpoint.export", "exports the last checkpoint to <checkpoint.folder>/hf: needs "
+                                                 "checkpoint.folder")
         return self
 
 
@@ -356,16 +369,33 @@ def _section(name: str, raw: Any, cls):
 
 
 def _check_model_section(model: Any) -> dict:
+    """The model section with `weights` decided: a folder (`path`) loads its safetensors unless
+    `weights: random` (a folder without them is refused, naming it: say `random` to mean it); a
+    config (`model_type`) is random, and `weights` is not passed on to the transformers config."""
     if isinstance(model, dict) and "path" in model:
-        reject_unknown_keys("model", model, ("path",))
+        reject_unknown_keys("model", model, ("path", "weights"))
         path = model["path"]
         if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "config.json")):
             raise PlanError("model.path", f"must be a local folder holding config.json, got {short_repr(path)}")
-        return dict(model)
+        weights = model.get("weights", "pretrained")
+        check_choice("model.weights", weights, WEIGHTS_CHOICES)
+        if weights == "pretrained":
+            weights_files(path)  # the files are there and consistent; whether they fit the model: startup.py
+        return {"path": path, "weights": weights}
     if not isinstance(model, dict) or not isinstance(model.get("model_type"), str):
         raise PlanError("model", "a mapping with model_type (a transformers model type), or with path (a local "
                                  "folder holding config.json), is required")
-    return dict(model)
+    model = dict(model)
+    weights = model.pop("weights", "random")
+    if weights != "random":
+        raise PlanError("model.weights", f"is {short_repr(weights)} with model_type: a config alone has no weights; "
+                                         "pretrained weights need model.path (a local Hugging Face folder)")
+    return model
+
+
+def pretrained_folder(model: dict) -> str | None:
+    """The folder whose weights the run loads (`model.path` with `weights: pretrained`), else None."""
+    return model["path"] if model.get("weights") == "pretrained" else None
 
 
 def _check_batch(config: TrainConfig) -> None:
@@ -465,7 +495,7 @@ def transformers_module():
 
 def model_config(raw: dict):
     """The transformers config `model:` describes: `AutoConfig.for_model(model_type, **rest)`, or
-    the config.json of the local folder `path` (never the hub).
+    the config.json of the local folder `path` (never the hub; `weights` is not a config key).
 
     A `PlanError` naming the key for a model type transformers does not know, and for a key its
     config class does not have: transformers keeps such a key as a stray attribute that no model

@@ -34,12 +34,14 @@ from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
 from . import checkpoint
-from .config import DTYPES, TrainConfig, TrainSettings
+from .config import DTYPES, TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
+from .export import export_folder, export_from_ranks
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
 from .progress import Progress
 from .startup import check_before_building
+from .weights import load_pretrained, materialize
 from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, build_model,
                           compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, parameter_count, rewritten_regions,
                           use_cpcompile_gdn)
@@ -198,8 +200,14 @@ def _reference_step(reference: tuple, batch: dict) -> float:
     return loss.item()
 
 
-def build_trainer(config: TrainConfig, progress: Progress | None = None) -> Trainer:
+def build_trainer(config: TrainConfig, progress: Progress | None = None, load_weights: bool = True) -> Trainer:
+    """Build this rank's trainer. With `model.path` pretrained weights and `load_weights` (false
+    when a checkpoint will overwrite them, and for a dry run), they are loaded last, into the
+    parallelized model (weights.py)."""
     settings = config.train
+    pretrained = pretrained_folder(config.model) if load_weights else None
+    # the CP rewrite runs a probe forward on the real model: only without one can it stay on meta
+    on_meta = pretrained is not None and not config.plan.active_overrides()
     progress = progress or Progress(settings.collective_timeout_s)
     check_world_size(config.plan)
     progress.at("start")
@@ -209,7 +217,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None) -> Trai
     replica = root.get_local_rank("dp_replicate") * config.plan.accelerator.dp_shard_size + \
         root.get_local_rank("dp_shard")
     dump = rank_dump_dir(settings.dump_dir, dist.get_rank())
-    model = build_model(config.model, settings)
+    model = build_model(config.model, settings, parameters_on_meta=on_meta)
     use_loss(model, settings)
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
@@ -225,14 +233,21 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None) -> Trai
         compile_layers(model, settings.compile_backend)
     sharding = fsdp_mesh(mesh)
     apply_fsdp(model, sharding, settings)
+    if on_meta:
+        materialize(model, settings.device)
+    if pretrained is not None:
+        progress.at("weights load")
+        load_pretrained(model, pretrained)
+        progress.at("start")
     optimizer, scheduler = build_optimizer(model, config)
-    return Trainer(config, mesh, model, optimizer, scheduler, stream, replica, _references(config),
+    return Trainer(config, mesh, model, optimizer, scheduler, stream, replica, _references(config, pretrained),
                    gradient_scale(sharding), progress)
 
 
-def _references(config: TrainConfig) -> dict[str, tuple]:
+def _references(config: TrainConfig, pretrained: str | None) -> dict[str, tuple]:
     """The unrewritten copies `verify` trains on the whole batch: one in the run's dtype, and in
-    bfloat16 one more in float32 to judge both against (same seed, so the same initial weights)."""
+    bfloat16 one more in float32 to judge both against (same seed, or the same `pretrained`
+    weights, so the same initial weights)."""
     settings = config.train
     if not settings.verify:
         return {}
@@ -243,6 +258,8 @@ def _references(config: TrainConfig) -> dict[str, tuple]:
     for name, variant in variants.items():
         model = build_model(config.model, variant)
         use_loss(model, variant)
+        if pretrained is not None:
+            load_pretrained(model, pretrained)
         use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
         references[name] = (model, *build_optimizer(model, config))
     return references
@@ -255,8 +272,9 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     one (with `train.collective_timeout_s`). `stop_after` ends the run after that step (as a
     preempted job would), schedule unchanged. With `checkpoint.folder`, a checkpoint is saved
     every `interval` steps and after the last step run; the latest one there is resumed from when
-    `checkpoint.resume`. A collective that fails is a `CollectiveError` naming the step and phase
-    (progress.py)."""
+    `checkpoint.resume`; with `checkpoint.export`, the last one is then written as a Hugging Face
+    folder, `<checkpoint.folder>/hf` (export.py). A collective that fails is a `CollectiveError`
+    naming the step and phase (progress.py)."""
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
         return _train(config, log, stop_after, progress)
@@ -265,7 +283,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
 def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress) -> list[dict]:
     settings, saving = config.train, config.checkpoint
     latest = check_before_building(config)
-    trainer = build_trainer(config, progress)
+    trainer = build_trainer(config, progress, load_weights=latest is None)
     first = 0
     if latest is not None:
         progress.at("checkpoint load")
@@ -291,6 +309,12 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
                                 checkpoint.run_facts(config))
     finally:
         metrics.close()
+    if saving.export:
+        progress.at("export")
+        step = checkpoint.step_folder(saving.folder, checkpoint.latest_step(saving.folder))
+        export_from_ranks(step, export_folder(saving.folder))
+        if is_rank_zero():
+            log(f"exported {step} as a Hugging Face folder: {export_folder(saving.folder)}")
     if is_rank_zero():
         if settings.verify and records:
             log(f"verify: PASS: {_tolerance(settings)}, every step of {len(records)}")
@@ -324,7 +348,7 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
     probe_config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=probe))
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
-        trainer = build_trainer(probe_config, progress)
+        trainer = build_trainer(probe_config, progress, load_weights=False)
     accelerator = config.plan.accelerator
     regions = rewritten_regions(trainer.model)
     estimate = memory_estimate(config, parameter_count(trainer.model), trainer.model.config)

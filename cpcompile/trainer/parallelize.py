@@ -50,17 +50,24 @@ from ..errors import PlanError
 from ..kernels.gdn.common import CHUNK_SIZE
 from ..mesh import CPMesh
 from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
+from . import weights
 from .config import DTYPES, TrainSettings, model_config, transformers_module
 
 
 
-def build_model(raw_model_config: dict, settings: TrainSettings) -> torch.nn.Module:
-    """The same randomly initialised causal LM on every rank (seeded), SDPA attention; with
-    `gdn_backend`, every GDN layer not rewritten by CP runs cpcompile's own core."""
+def build_model(raw_model_config: dict, settings: TrainSettings, parameters_on_meta: bool = False) -> torch.nn.Module:
+    """The same randomly initialised causal LM on every rank (seeded), SDPA attention. With
+    `parameters_on_meta`, its parameters stay on the meta device (weights.py: FSDP2 shards them
+    there, and the load fills the shards) and only its buffers are real."""
     transformers = transformers_module()
     config = model_config(raw_model_config)
     config._attn_implementation = "sdpa"
     torch.manual_seed(settings.seed)
+    if parameters_on_meta:
+        with weights.parameters_on_meta():
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        # the buffers as the real build has them; FSDP2 moves them to the device
+        return model.to(dtype=DTYPES[settings.dtype])
     model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(device=settings.device, dtype=DTYPES[settings.dtype])
 

@@ -32,8 +32,8 @@ class CollectiveError(CPCompileError, RuntimeError):
 
 @dataclass
 class Progress:
-    """This rank's step (1-based; None before the first) and phase: start, compile, checkpoint
-    load, forward, backward, optimizer, verify, checkpoint save."""
+    """This rank's step (1-based; None before the first) and phase: start, compile, weights
+    load, checkpoint load, forward, backward, optimizer, verify, checkpoint save, export."""
 
     timeout_s: float
     step: int | None = None

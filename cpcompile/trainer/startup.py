@@ -5,9 +5,11 @@ its field or file at start-up instead:
 - the places the run writes: `checkpoint.folder` (created, writable, with room for one
   checkpoint by a rough estimate) on every rank, since each writes its shard there, and
   `train.metrics_file` (its folder created, the file writable) where it is written, on rank 0;
-- the checkpoint a run resumes from (`checkpoint.check_compatible`).
+- the checkpoint a run resumes from (`checkpoint.check_compatible`);
+- else the pretrained weights of `model.path` (`weights.check_weights_fit`: every tensor there,
+  of the model's shape, and none the model lacks), from the safetensors headers.
 
-Both need the model's parameters, which a model on the meta device gives for free.
+All need the model's parameters, which a model on the meta device gives for free.
 """
 from __future__ import annotations
 
@@ -20,8 +22,9 @@ import torch.distributed as dist
 
 from ..errors import PlanError, short_repr
 from . import checkpoint
-from .config import DTYPES, TrainConfig
+from .config import DTYPES, TrainConfig, pretrained_folder
 from .parallelize import meta_model
+from .weights import check_weights_fit
 
 GIB = 2.0 ** 30
 # Parameters and AdamW's two moments, in the parameters' dtype; the rest (scheduler, RNG, DCP's
@@ -42,6 +45,8 @@ def check_before_building(config: TrainConfig) -> int | None:
     latest = checkpoint.latest_step(saving.folder) if saving.resume else None
     if latest is not None:
         checkpoint.check_compatible(saving.folder, latest, config, model)
+    elif (pretrained := pretrained_folder(config.model)) is not None:  # a resume overwrites them: not loaded
+        check_weights_fit(model if model is not None else meta_model(config.model), pretrained)
     return latest
 
 
