@@ -132,22 +132,39 @@ def check_forward_only_applies_the_head(model: nn.Module, head: nn.Linear, softc
     the chunked loss computes exactly that, so any other step (a scale, a bias, a slice) would be
     silently lost."""
     name = type(model).__name__
-    hidden = _check_hidden_states(head.weight, softcap)
-    try:
-        with torch.no_grad(), _base_model_replaced(model, _ReturnsHiddenStates(hidden)):
-            ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
-            logits = type(model).forward(model, input_ids=ids, use_cache=False).logits
-    except Exception as exc:  # noqa: BLE001 -- any failure means the check cannot vouch for the model
-        raise PlanError("train.loss", f"chunked: could not check what {name}.forward does after its base model "
-                                      f"({type(exc).__name__}: {exc}); set train.loss: full") from exc
-    with torch.no_grad():
-        expected = _capped(hidden.double() @ head.weight.double().t(), softcap)
+    with _real_head_weight(head):
+        hidden = _check_hidden_states(head.weight, softcap)
+        try:
+            with torch.no_grad(), _base_model_replaced(model, _ReturnsHiddenStates(hidden)):
+                ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+                logits = type(model).forward(model, input_ids=ids, use_cache=False).logits
+        except Exception as exc:  # noqa: BLE001 -- any failure means the check cannot vouch for the model
+            raise PlanError("train.loss", f"chunked: could not check what {name}.forward does after its base model "
+                                          f"({type(exc).__name__}: {exc}); set train.loss: full") from exc
+        with torch.no_grad():
+            expected = _capped(hidden.double() @ head.weight.double().t(), softcap)
     if logits is None or logits.shape != expected.shape or \
             (logits.double() - expected).abs().max() > 1e-2 * expected.abs().max():
         does = f"soft-caps them at {softcap} and " if softcap is not None else ""
         raise PlanError("train.loss", f"chunked: {name}.forward does more to the last hidden state than the chunked "
                                       f"loss, which {does}multiplies them by the head's weight (e.g. it scales, "
                                       "biases or slices the logits); set train.loss: full")
+
+
+@contextlib.contextmanager
+def _real_head_weight(head: nn.Linear):
+    """A model built on the meta device (its weights are loaded after FSDP2) has no head values to
+    check with: a random stand-in of the same shape takes the weight's place for the check."""
+    weight = head.weight
+    if not weight.is_meta:
+        yield
+        return
+    generator = torch.Generator().manual_seed(0)
+    head.weight = nn.Parameter(torch.randn(weight.shape, generator=generator), requires_grad=False)
+    try:
+        yield
+    finally:
+        head.weight = weight
 
 
 def _check_hidden_states(weight: torch.Tensor, softcap: float | None) -> torch.Tensor:
