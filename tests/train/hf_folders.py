@@ -61,13 +61,14 @@ def train_config(folder: str, name: str, cp: int, dp_shard: int = 1, steps: int 
             **plan(name, cp, dp_shard), **sections}
 
 
-def first_batch(config: dict, name: str) -> dict:
-    """The whole global batch of step 1 (every replica's rows) of a run of the model `name`."""
+def first_batch(config: dict, name: str, vocab_size: int | None = None) -> dict:
+    """The whole global batch of step 1 (every replica's rows) of a run of the model `name` (with
+    `vocab_size` when its folder was saved with another)."""
     from cpcompile.trainer import load_train_config
     from cpcompile.trainer.data import TokenStream
 
     loaded = load_train_config(config)
-    return TokenStream(loaded.data, loaded.train, MODELS[name]["vocab_size"]).batch(0)
+    return TokenStream(loaded.data, loaded.train, vocab_size or MODELS[name]["vocab_size"]).batch(0)
 
 
 def transformers_loss(folder: str, batch: dict) -> float:

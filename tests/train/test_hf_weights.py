@@ -6,9 +6,12 @@ export`, `checkpoint.export: true`): real gloo runs, float32, fresh random weigh
   Qwen3.5 (GDN and full-attention layers, one file or 7 shards with an index; and the
   vision-language checkpoint's `model.language_model.*` into the text model) and Qwen3 (tied
   embeddings, no `lm_head.weight` in the file; also a bfloat16 file into the float32 run).
-- Trained at dp_shard 2 x cp 2 and exported, `from_pretrained` gives the trained weights' logits
-  (whole, gathered from the ranks) within 1e-6; so does the command line's sharded export, and a
-  run started from the export has `from_pretrained`'s loss.
+- Fine-tuned the way a user would (a tokenizer folder built offline, chat data rendered by its
+  template, loss on the assistant's tokens) at dp_shard 2 x cp 2: the first step's loss is
+  `from_pretrained`'s on the same rows, and after 5 steps and the export, `from_pretrained` gives
+  the trained weights' logits (whole, gathered from the ranks) within 1e-6, and the exported
+  tokenizer encodes as the run's did; so does the command line's sharded export, and a run started
+  from the export has `from_pretrained`'s loss.
 - Each folder that does not fit is refused before anything is built, naming the file and tensor.
 """
 from __future__ import annotations
@@ -23,9 +26,11 @@ import torch
 import hf_folders
 from dist_utils import run_distributed
 from hf_folders import first_batch, save_folder, train_config, transformers_logits, transformers_loss
+from tokenizer_folder import VOCAB_SIZE, write_tokenizer_folder
 
 RTOL = 1e-6
-TRAINED_STEPS = 3
+TRAINED_STEPS = 5
+CHAT = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "data", "chat.jsonl")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +41,9 @@ def folders(tmp_path_factory):
             "qwen3_5_sharded": save_folder(str(root / "qwen3_5_sharded"), "qwen3_5", seed + 1, max_shard_size="40KB"),
             "qwen3": save_folder(str(root / "qwen3"), "qwen3", seed + 2),
             "qwen3_5_vl": save_folder(str(root / "qwen3_5_vl"), "qwen3_5_vl", seed + 3),
-            "qwen3_bfloat16": save_folder(str(root / "qwen3_bfloat16"), "qwen3", seed + 4, dtype=torch.bfloat16)}
+            "qwen3_bfloat16": save_folder(str(root / "qwen3_bfloat16"), "qwen3", seed + 4, dtype=torch.bfloat16),
+            "qwen3_5_chat": save_folder(str(root / "qwen3_5_chat"), "qwen3_5", seed + 5, vocab_size=VOCAB_SIZE),
+            "tokenizer": write_tokenizer_folder(root / "tokenizer")}
 
 
 def _first_losses(rank: int, world: int, configs: dict) -> dict:
@@ -76,30 +83,39 @@ def test_weights_random_keeps_the_seeded_initialisation(loaded):
     assert abs(losses["random"] - losses["qwen3_cp1"]) > 1e-2 * losses["qwen3_cp1"], losses
 
 
-def _train_and_export(rank: int, world: int, folder: str, checkpoints: str) -> dict:
-    """Train dp_shard 2 x cp 2 from `folder` with `checkpoint.export: true`; -> (rank 0) the trained
-    weights, whole (gathered from the live model's shards), and the first loss of a run started
-    from the export."""
+def chat_config(folder: str, tokenizer: str, checkpoints: str) -> dict:
+    """Fine-tune `folder` at dp_shard 2 x cp 2 on the example conversations through `tokenizer`
+    (one conversation a row, so that transformers' own loss on the same rows is the reference)."""
+    config = train_config(folder, "qwen3_5", 2, 2, steps=TRAINED_STEPS, checkpoint={"folder": checkpoints,
+                                                                                    "export": True},
+                          data={"source": "chat", "path": CHAT, "tokenizer": tokenizer})
+    config["train"]["seq_len"] = 96  # the longest example conversation fits
+    return config
+
+
+def _train_and_export(rank: int, world: int, folder: str, tokenizer: str, checkpoints: str) -> dict:
+    """Train dp_shard 2 x cp 2 from `folder` with `checkpoint.export: true`; -> (rank 0) the first
+    step's loss, the trained weights, whole (gathered from the live model's shards), and the first
+    loss of a run started from the export."""
     from cpcompile.trainer import load_train_config, loop
     from cpcompile.trainer.export import export_folder
 
     built = []
     build = loop.build_trainer
     loop.build_trainer = lambda *args, **kwargs: built.append(build(*args, **kwargs)) or built[-1]
-    config = train_config(folder, "qwen3_5", 2, 2, steps=TRAINED_STEPS, checkpoint={"folder": checkpoints,
-                                                                                    "export": True})
-    loop.train(load_train_config(config), log=lambda _: None)
+    records = loop.train(load_train_config(chat_config(folder, tokenizer, checkpoints)), log=lambda _: None)
     loop.build_trainer = build
     weights = {name: p.full_tensor() for name, p in built[0].model.named_parameters()}  # a collective
     restarted = train_config(export_folder(checkpoints), "qwen3_5", 1, 4)  # cp 1: built on meta, 4 shards
     loss = build(load_train_config(restarted)).step(0)["loss"]
-    return {"weights": weights, "restarted_loss": loss, "restarted": restarted}
+    return {"first_loss": records[0]["loss"], "weights": weights, "restarted_loss": loss, "restarted": restarted}
 
 
 @pytest.fixture(scope="module")
 def trained(folders, tmp_path_factory):
     checkpoints = str(tmp_path_factory.mktemp("ckpt"))
-    out = run_distributed(_train_and_export, 4, folders["qwen3_5"], checkpoints, timeout=300)[0]
+    out = run_distributed(_train_and_export, 4, folders["qwen3_5_chat"], folders["tokenizer"], checkpoints,
+                          timeout=300)[0]
     return checkpoints, out
 
 
@@ -119,16 +135,35 @@ def _ids() -> torch.Tensor:
     return torch.randint(0, hf_folders.QWEN3_5["vocab_size"], (2, 24))
 
 
+def test_the_fine_tuning_starts_from_the_pretrained_models_loss(folders, trained):
+    """The first step on the chat rows (labels on the assistant's tokens only) is from_pretrained's loss."""
+    from cpcompile.trainer import load_train_config
+    from cpcompile.trainer.data import TokenStream
+
+    checkpoints, out = trained
+    config = load_train_config(chat_config(folders["qwen3_5_chat"], folders["tokenizer"], checkpoints))
+    batch = TokenStream(config.data, config.train, VOCAB_SIZE).batch(0)
+    assert (batch["labels"] == -100).any() and (batch["labels"] != -100).any()
+    expected = transformers_loss(folders["qwen3_5_chat"], batch)
+    assert abs(out["first_loss"] - expected) <= RTOL * expected, (out["first_loss"], expected)
+
+
 def test_the_export_is_the_trained_model(folders, trained):
     """`from_pretrained(<checkpoint.folder>/hf)`: the trained weights' logits (fp32 1e-6), which are
-    not the pretrained folder's (training moved them), in one safetensors file, in the dtype trained."""
+    not the pretrained folder's (training moved them), in one safetensors file, in the dtype trained,
+    with the run's tokenizer beside them."""
+    from transformers import AutoTokenizer
+
     checkpoints, out = trained
     exported = os.path.join(checkpoints, "hf")
     ids = _ids()
-    expected = _logits_of(out["weights"], folders["qwen3_5"], ids)
+    expected = _logits_of(out["weights"], folders["qwen3_5_chat"], ids)
     got = transformers_logits(exported, ids)
     assert torch.allclose(got, expected, rtol=RTOL, atol=RTOL), (got - expected).abs().max()
-    assert (transformers_logits(folders["qwen3_5"], ids) - expected).abs().max() > 1e-3
+    assert (transformers_logits(folders["qwen3_5_chat"], ids) - expected).abs().max() > 1e-3
+    text = "Two plus two is four."
+    assert AutoTokenizer.from_pretrained(exported, local_files_only=True)(text)["input_ids"] == \
+        AutoTokenizer.from_pretrained(folders["tokenizer"], local_files_only=True)(text)["input_ids"]
     assert sorted(f for f in os.listdir(exported) if "safetensors" in f) == ["model.safetensors"]
     with open(os.path.join(exported, "config.json"), encoding="utf-8") as handle:
         config = json.load(handle)
@@ -147,7 +182,7 @@ def test_the_command_line_export_shards_with_an_index(folders, trained, tmp_path
         weight_map = json.load(handle)["weight_map"]
     assert len(set(weight_map.values())) > 2 and set(weight_map) == set(out["weights"])
     ids = _ids()
-    expected = _logits_of(out["weights"], folders["qwen3_5"], ids)
+    expected = _logits_of(out["weights"], folders["qwen3_5_chat"], ids)
     assert torch.allclose(transformers_logits(target, ids), expected, rtol=RTOL, atol=RTOL)
 
 
@@ -155,7 +190,7 @@ def test_a_run_starts_from_the_export(trained):
     """model.path pointing at the export: the first loss is from_pretrained's on the same batch."""
     _, out = trained
     config = out["restarted"]
-    expected = transformers_loss(config["model"]["path"], first_batch(config, "qwen3_5"))
+    expected = transformers_loss(config["model"]["path"], first_batch(config, "qwen3_5", VOCAB_SIZE))
     assert abs(out["restarted_loss"] - expected) <= RTOL * expected, (out["restarted_loss"], expected)
 
 
