@@ -227,8 +227,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=probe_inputs(model, first))
     progress.at("start")
     use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
-    if settings.ac_mode == "every_layer":
-        apply_activation_checkpointing(model)
+    apply_activation_checkpointing(model, settings.ac_mode)
     if settings.compile_backend:
         compile_layers(model, settings.compile_backend)
     sharding = fsdp_mesh(mesh)
@@ -375,7 +374,7 @@ def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str,
     shards = accelerator.dp_shard_size * accelerator.cp_size * accelerator.tp_size
     text = model_config.get_text_config()
     tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
-    per_layer = 1 if settings.ac_mode == "every_layer" else 16
+    per_layer = 16 if settings.ac_mode.kind == "off" else 1
     gib = 2.0 ** 30
     states = 4 * params * element / shards / gib
     activations = text.num_hidden_layers * per_layer * tokens * text.hidden_size * element / gib
