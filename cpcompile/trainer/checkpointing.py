@@ -173,3 +173,47 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 # what `checkpoint(context_fn=...)` takes: a fresh pair of (forward, recompute) contexts per call
 selective_contexts = functools.partial(create_selective_checkpoint_contexts, selective_policy)
 
+
+# --------------------------------------------------------------------------- memory estimate
+#
+# Counted in hidden states per token, for every layer as if it were a Llama-style attention layer
+# of the config's shape (a GDN layer's projections are of a similar size), in the parameters'
+# dtype: a rough count of what autograd keeps, not a measurement (float32 copies inside norms
+# under bf16, and the transient memory of one layer's recompute, are left out).
+
+
+def saved_hidden_states(mode: ACMode, text_config, cp_size: int) -> float:
+    """Hidden states per token all decoder layers keep for the backward under `mode`, for
+    `loop.memory_estimate`: `full_layer_states` for a layer left alone, 1 (its input) for a
+    checkpointed one, and `selective_layer_states` for a selective one."""
+    layers = text_config.num_hidden_layers
+    checkpointed = len(mode.layers(layers))
+    kept = selective_layer_states(text_config, cp_size) if mode.kind == "selective" else 1.0
+    return (layers - checkpointed) * full_layer_states(text_config, cp_size) + checkpointed * kept
+
+
+def selective_layer_states(text_config, cp_size: int) -> float:
+    """What `selective_policy` keeps of one layer: its input and the outputs of q, k, v, the
+    attention, o, the MLP's gate, up and down, and with cp > 1 the all-gathered K/V (cp x the
+    local K/V)."""
+    hidden, query, kv = _widths(text_config)
+    gathered = cp_size * 2 * kv if cp_size > 1 else 0
+    outputs = query + 2 * kv + query + hidden + 2 * text_config.intermediate_size + hidden + gathered
+    return 1 + outputs / hidden
+
+
+def full_layer_states(text_config, cp_size: int) -> float:
+    """What one layer without checkpointing keeps: `selective_layer_states` and what the backward
+    of the ops selective recomputes reads: the two norms' outputs, q and k after their norm and
+    RoPE, SiLU(gate) and SiLU(gate) x up."""
+    hidden, query, kv = _widths(text_config)
+    recomputed = 2 * hidden + query + kv + 2 * text_config.intermediate_size
+    return selective_layer_states(text_config, cp_size) + recomputed / hidden
+
+
+def _widths(text_config) -> tuple[int, int, int]:
+    """(hidden size, query width, K or V width) per token."""
+    hidden, heads = text_config.hidden_size, text_config.num_attention_heads
+    head_dim = getattr(text_config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return hidden, heads * head_dim, kv_heads * head_dim
