@@ -15,10 +15,14 @@ parameters before the backward reaches the layer, and so before its replay.
 
 Collectives in a replay: a CP region inside a checkpointed layer issues its collectives from the
 layer's forward, so a replay issues them again. Every rank replays the same layers at the same
-point of its backward (the same model, the same autograd graph), and whether an op is replayed
-depends only on which op it is (`selective_policy` reads no tensor, no rank), so every rank
-issues the same collectives in the same order: they match. Under `selective` the collectives'
-outputs come from the saved ones and the replay issues none (see `selective_policy`).
+point of its backward (the same model, the same autograd graph), stops it at the same point
+(the non-reentrant checkpoint ends a replay once it has recomputed what the backward reads),
+and whether an op is replayed depends only on which op it is (`selective_policy` reads no
+tensor, no rank), so every rank issues the same collectives in the same order: they match.
+Under `selective` the collectives' outputs come from the saved ones and the replay issues none
+(see `selective_policy`). A region that traces a new input signature inside a selective forward
+does so with the checkpoint's dispatch modes set aside (`pipeline._saving_nothing_for_checkpoints`),
+so the trace's ops are not taken for the layer's.
 """
 from __future__ import annotations
 
@@ -30,18 +34,18 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .. import collectives
+from .. import tp as _tp_ops  # noqa: F401  (registers torch.ops.cpcompile.tp_*)
 from ..errors import PlanError, short_repr
 from ..kernels.attention import op as _attention_ops  # noqa: F401  (registers torch.ops.cpcompile.*_attention)
 from ..kernels.gdn import ops as _gdn_ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
-from .. import tp as _tp_ops  # noqa: F401  (registers torch.ops.cpcompile.tp_*)
 
 FIELD = "train.activation_checkpointing"
-MODES = ("off", "every_layer", "every_n", "selective")
 
 
 @dataclass(frozen=True)
 class ACMode:
-    """One `train.activation_checkpointing` setting: `kind` is one of `MODES`; `every_n` is k."""
+    """One `train.activation_checkpointing` setting: `kind` is off, every_layer, every_n or
+    selective; `every_n` is k (1 but for every_n)."""
 
     kind: str
     every_n: int = 1
@@ -51,9 +55,6 @@ class ACMode:
         if self.kind == "off":
             return []
         return [index for index in range(count) if (index + 1) % self.every_n == 0]
-
-    def __str__(self) -> str:
-        return f"every_n: {self.every_n}" if self.kind == "every_n" else self.kind
 
 
 EVERY_LAYER = ACMode("every_layer")
