@@ -346,6 +346,7 @@ def _saving_nothing_for_checkpoints():
 
 
 def _outside_selective_checkpoint():
+    # private names (in every torch we support, >= 2.11): PyTorch has no public way to step out of an active mode
     from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
     from torch.utils.checkpoint import _CachingTorchDispatchMode
 
