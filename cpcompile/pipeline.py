@@ -1,6 +1,7 @@
 """The pipeline behind `cpcompile.compile`: match → probe → trace → rewrite → install, atomically."""
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 from collections import OrderedDict
@@ -328,13 +329,30 @@ def declared_attention(region, target: Target) -> DeclaredAttention:
     return read(target.fqn, target.module) if read is not None else DeclaredAttention()
 
 
+@contextlib.contextmanager
 def _saving_nothing_for_checkpoints():
     """Tracing a new signature runs (fake) tensor ops that autograd records. Inside a
     `torch.utils.checkpoint` forward those would be counted as the layer's saved tensors, and the
     recompute, which finds the graph cached, would save fewer: the checkpoint refuses the
     mismatch. Hooks that keep tensors as they are, pushed innermost, take those ops out of the
-    checkpoint's count (and cost nothing outside a checkpoint)."""
-    return torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged)
+    checkpoint's count (and cost nothing outside a checkpoint).
+
+    A selective checkpoint (`create_selective_checkpoint_contexts`) also records the forward's
+    ops through a dispatch mode and hands their saved outputs to the recompute in order: the
+    trace's ops would be among them (fake tensors handed to the recompute's matmuls). So the
+    trace runs with the dispatch modes set aside when one of them is a selective checkpoint's."""
+    with _outside_selective_checkpoint(), torch.autograd.graph.saved_tensors_hooks(_unchanged, _unchanged):
+        yield
+
+
+def _outside_selective_checkpoint():
+    # private names (in every torch we support, >= 2.11): PyTorch has no public way to step out of an active mode
+    from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import _CachingTorchDispatchMode
+
+    if any(isinstance(mode, _CachingTorchDispatchMode) for mode in _get_current_dispatch_mode_stack()):
+        return _disable_current_modes()
+    return contextlib.nullcontext()
 
 
 def _unchanged(tensor):

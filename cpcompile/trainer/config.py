@@ -25,7 +25,11 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       mixed_precision: null     # or {param_dtype: bfloat16, reduce_dtype: float32}: FSDP2 computes
                                 # in param_dtype and reduces gradients in reduce_dtype
       grad_clip: null           # or a positive max global gradient norm
-      activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
+      activation_checkpointing: off   # off | every_layer | {every_n: k} | selective: which decoder layers
+                                # run under torch.utils.checkpoint (non-reentrant): none, all, layers
+                                # k, 2k, ... (from 1), or all with an op-level policy that keeps the
+                                # matmul, attention / GDN core and collective outputs and recomputes
+                                # the rest (trainer/checkpointing.py)
       loss: chunked             # chunked: the head and cross-entropy a chunk of tokens at a time, never
                                 # the [tokens, vocabulary] logits (trainer/lm_loss.py); full: the
                                 # model's logits, then F.cross_entropy (for comparison)
@@ -96,12 +100,12 @@ import torch
 from ..batch import required_multiple
 from ..errors import MissingDependencyError, PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
+from .checkpointing import ACMode, check_layer_count, parse_ac_mode
 from .records import check_parquet_file, is_parquet
 from .tokenizer import check_tokenizer_folder, tokenizer_for
 from .weights import WEIGHTS_CHOICES, weights_files
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-AC_MODES = ("off", "every_layer")
 LOSS_MODES = ("chunked", "full")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "text", "jsonl", "chat", "prompt_completion")
@@ -118,7 +122,7 @@ class TrainSettings:
     dtype: str = "float32"
     mixed_precision: dict | None = None
     grad_clip: float | None = None
-    activation_checkpointing: str = "off"
+    activation_checkpointing: Any = "off"  # a mode name or {every_n: k}: `ac_mode` reads it
     loss: str = "chunked"
     loss_chunk_tokens: int = 4096
     compile_backend: str | None = None
@@ -141,7 +145,7 @@ class TrainSettings:
         if type(self.seed) is not int:
             raise PlanError("train.seed", f"must be an integer, got {short_repr(self.seed)}")
         check_choice("train.dtype", self.dtype, DTYPES)
-        check_choice("train.activation_checkpointing", _yaml_off(self.activation_checkpointing), AC_MODES)
+        parse_ac_mode(self.activation_checkpointing)
         check_choice("train.loss", self.loss, LOSS_MODES)
         if self.gdn_backend is not None:
             check_choice("train.gdn_backend", self.gdn_backend, GDN_BACKENDS)
@@ -155,8 +159,8 @@ class TrainSettings:
         return self
 
     @property
-    def ac_mode(self) -> str:
-        return _yaml_off(self.activation_checkpointing)
+    def ac_mode(self) -> ACMode:
+        return parse_ac_mode(self.activation_checkpointing)
 
     def precision_policy(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy; (None, None) without one."""
@@ -172,11 +176,6 @@ class TrainSettings:
                 check_choice(f"train.mixed_precision.{key}", name, DTYPES)
             chosen.append(DTYPES[name] if name is not None else None)
         return chosen[0], chosen[1]
-
-
-def _yaml_off(value: Any) -> Any:
-    """YAML 1.1 reads a bare `off` as False: take it as the word it was meant to be."""
-    return "off" if value is False else value
 
 
 @dataclass(frozen=True)
@@ -312,6 +311,7 @@ def load_train_config(source: str | dict) -> TrainConfig:
                                         "`cpcompile compare` instead)")
     # model_config refuses a model type or key transformers does not know, before any process starts
     transformers_config = model_config(model)
+    check_layer_count(config.train.ac_mode, transformers_config.get_text_config().num_hidden_layers)
     _check_tensor_parallel(config, transformers_config)
     if config.data.source != "synthetic":  # the tokenizer serves the model: said before any process starts
         tokenizer_for(config.data, transformers_config.get_text_config().vocab_size)

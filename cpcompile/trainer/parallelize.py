@@ -11,9 +11,11 @@ activation checkpointing, `torch.compile`, FSDP2.
 - **CP** (`cpcompile.compile`): the plan's regions are rewritten in place on the full,
   unsharded model, from a probe forward on the first batch. Each rewritten region reads its
   parameters from the live module at call time, so FSDP2 may shard them afterwards.
-- **Activation checkpointing**: every decoder layer's forward runs under
+- **Activation checkpointing** (checkpointing.py): the decoder layers `train.activation_checkpointing`
+  picks (all, every k-th, or all with the `selective` op policy) run under
   `torch.utils.checkpoint` (non-reentrant). The recompute replays the layer's forward, so the
-  rewritten regions inside issue their forward collectives a second time, during the backward,
+  rewritten regions inside issue their forward collectives a second time (`selective`: only
+  those whose outputs it does not save, none of the functional ones), during the backward,
   in the same order on every rank (every rank recomputes the same layers at the same point of
   its backward; the regions' graphs are cached per input signature, so no rank re-traces or
   re-agrees alone).
@@ -35,14 +37,12 @@ activation checkpointing, `torch.compile`, FSDP2.
 """
 from __future__ import annotations
 
-import functools
 import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.checkpoint import checkpoint
 
 from ..adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
 from ..documents import DocumentFeed
@@ -51,6 +51,7 @@ from ..kernels.gdn.common import CHUNK_SIZE
 from ..mesh import CPMesh
 from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
 from . import weights
+from .checkpointing import EVERY_LAYER, ACMode, checkpoint_layers
 from .config import DTYPES, TrainSettings, model_config, transformers_module
 
 
@@ -146,20 +147,10 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: CPMesh) -> None:
     parallelize_module(model, mesh.root["tp"], plan)
 
 
-def apply_activation_checkpointing(model: torch.nn.Module) -> int:
-    """Every decoder layer's forward under non-reentrant `torch.utils.checkpoint`; -> layers wrapped.
-    The layer's own `__call__` (FSDP's hooks) stays outside: FSDP unshards the parameters
-    before the backward reaches the layer, and so before its recompute."""
-    layers = decoder_layers(model)
-    for layer in layers:
-        inner = layer.forward
-
-        @functools.wraps(inner)
-        def forward(*args, _inner=inner, **kwargs):
-            return checkpoint(_inner, *args, use_reentrant=False, **kwargs)
-
-        layer.forward = forward
-    return len(layers)
+def apply_activation_checkpointing(model: torch.nn.Module, mode: ACMode = EVERY_LAYER) -> list[int]:
+    """The decoder layers `mode` picks under non-reentrant `torch.utils.checkpoint` (checkpointing.py);
+    -> their indices."""
+    return checkpoint_layers(decoder_layers(model), mode)
 
 
 def compile_layers(model: torch.nn.Module, backend: str) -> None:
