@@ -1,7 +1,7 @@
 """The cpcompile trainer against plain transformers (+ fla-core) on one GPU (issue 32 item 5).
 
     python benchmarks/trainer_vs_hf.py                     # 32K, 64K, 128K, then the longest that fits
-    options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 150
+    options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 300 --total-seconds 450
              --compile-backend inductor --methods cpcompile,hf,hf_fused_ce --out FILE
     python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --max-seq-len 256   # smoke
 
@@ -27,10 +27,12 @@ clipping at 1.0, batch 1:
 Each attempt (method, length) runs in a fresh subprocess, so an out-of-memory attempt cannot spoil
 the next one. Lengths: `--seq-lens`, then doubling from the last one that fit up to `--max-seq-len`
 (those attempts: 1 warm-up + 1 measured step: they ask whether it fits, and how fast), stopping at
-the first that runs out of memory. Every method has `--max-seconds`: an attempt predicted to go past
-it (from the last one: its set-up time plus its steps, each step ~3x as long at twice the length)
-is not started, and a started one stops measuring when its next step would pass it (at least one
-measured step); the table says how many ran. MFU: (6 x matmul parameters, the head's included,
+the first that runs out of memory. Every method has a time budget: `--max-seconds`, or what is
+left of `--total-seconds` when less (the defaults, 300 and 450, keep the run within ~8 minutes on an
+H200). An attempt whose set-up, warm-up and one measured step are predicted to go past it (from the
+last attempt: its set-up time, and its step ~3x as long at twice the length) is not started, and a
+started one stops measuring when its next step would pass it (at least one measured step); the
+table says how many ran. MFU: (6 x matmul parameters, the head's included,
 + 6 x attention layers x seq_len x heads x head_dim) per token (no recompute counted), against
 `--peak-tflops` (H200 dense bf16: 989). Results: `benchmarks/results/trainer_vs_hf_<date>_<device>.md`.
 """
@@ -257,7 +259,7 @@ def attempt(args, argv: list[str], spec: dict) -> dict:
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=spec["deadline_s"] + 60)
     except subprocess.TimeoutExpired:
-        return {**spec, "note": "stopped: over the --max-seconds budget", "wall_s": time.perf_counter() - started}
+        return {**spec, "note": "stopped: over the time budget", "wall_s": time.perf_counter() - started}
     for line in reversed(done.stdout.splitlines()):
         if line.startswith(ROW_MARK):
             return {**json.loads(line[len(ROW_MARK):]), "wall_s": time.perf_counter() - started}
@@ -265,15 +267,16 @@ def attempt(args, argv: list[str], spec: dict) -> dict:
     return {**spec, "note": f"failed (exit {done.returncode}): {last[:200]}", "wall_s": time.perf_counter() - started}
 
 
-def predicted_seconds(last: dict | None, warmup: int, repeat: int) -> float:
-    """The next attempt's cost, from the last one at half its length (module doc); 0 without one."""
+def predicted_seconds(last: dict | None, warmup: int) -> float:
+    """What the next attempt needs at least (its set-up, its warm-up and one measured step), from the
+    last one at half its length (module doc); 0 without one."""
     if last is None or "seconds" not in last:
         return 0.0
-    return last["setup_s"] * 1.5 + (warmup + repeat) * last["seconds"] * GROWTH
+    return last["setup_s"] + (warmup + 1) * last["seconds"] * GROWTH
 
 
-def run_method(args, argv: list[str], method: str) -> list[dict]:
-    """Every length of one method within its budget: the fixed ones, then the doubling search."""
+def run_method(args, argv: list[str], method: str, budget: float) -> list[dict]:
+    """Every length of one method within `budget` seconds: the fixed ones, then the doubling search."""
     start, rows, last = time.perf_counter(), [], None
     lengths = list(args.seq_lens)
     while lengths:
@@ -281,10 +284,10 @@ def run_method(args, argv: list[str], method: str) -> list[dict]:
         searching = seq_len > args.seq_lens[-1]
         warmup, repeat = SEARCH_STEPS if searching else (args.warmup, args.repeat)
         spec = {"method": method, "seq_len": seq_len, "warmup": warmup, "repeat": repeat}
-        left = args.max_seconds - (time.perf_counter() - start)
-        need = predicted_seconds(last, warmup, repeat)
+        left = budget - (time.perf_counter() - start)
+        need = predicted_seconds(last, warmup)
         if left <= 0 or need > left:
-            rows.append({**spec, "note": f"not run: over the --max-seconds budget ({need:.0f} s predicted, "
+            rows.append({**spec, "note": f"not run: over the time budget ({need:.0f} s predicted, "
                                          f"{max(left, 0):.0f} s left)"})
             break
         row = attempt(args, argv, {**spec, "deadline_s": left})
@@ -372,7 +375,8 @@ def main() -> None:
     parser.add_argument("--max-seq-len", default="4M")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--max-seconds", type=float, default=150.0, help="per method")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="per method")
+    parser.add_argument("--total-seconds", type=float, default=450.0, help="for the whole run")
     parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
     parser.add_argument("--compile-backend", default=None, help="the cpcompile trainer's train.compile_backend")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
@@ -389,7 +393,10 @@ def main() -> None:
     if any(m not in METHODS for m in methods) or args.warmup < 1 or args.repeat < 1:
         parser.error(f"--methods takes {', '.join(METHODS)}; --warmup and --repeat are >= 1")
     args.seq_lens, (args.max_seq_len,) = parse_lengths(args.seq_lens), parse_lengths(args.max_seq_len)
-    rows = [row for method in methods for row in run_method(args, sys.argv[1:], method)]
+    start, rows = time.perf_counter(), []
+    for method in methods:  # each within its own budget and what is left of the whole run's
+        left = args.total_seconds - (time.perf_counter() - start)
+        rows += run_method(args, sys.argv[1:], method, min(args.max_seconds, left))
     text = (f"{'tiny model' if args.small else 'Qwen3.5-shaped 0.57B'}, {args.device}, batch 1, fp32 parameters + "
             f"bf16 compute, AdamW, grad clip 1.0; MFU against {args.peak_tflops:g} TFLOP/s.\n\n"
             f"{table(rows)}\n\n{longest(rows)}")

@@ -42,9 +42,8 @@ def test_the_length_search_doubles_until_out_of_memory(monkeypatch):
         return {**spec, "setup_s": 1.0, "seconds": 0.01, "tokens_per_s": 1.0, "peak_gib": None, "mfu": 0.0}
 
     monkeypatch.setattr(trainer_vs_hf, "attempt", attempt)
-    args = argparse.Namespace(seq_lens=[32768, 65536, 131072], max_seq_len=4 * 1024 ** 2, warmup=3, repeat=5,
-                              max_seconds=1000.0)
-    rows = trainer_vs_hf.run_method(args, [], "hf")
+    args = argparse.Namespace(seq_lens=[32768, 65536, 131072], max_seq_len=4 * 1024 ** 2, warmup=3, repeat=5)
+    rows = trainer_vs_hf.run_method(args, [], "hf", budget=1000.0)
     assert tried == [(32768, 3, 5), (65536, 3, 5), (131072, 3, 5), (262144, 1, 1), (524288, 1, 1), (1048576, 1, 1)]
     assert trainer_vs_hf.longest(rows) == "- hf: longest that ran 512K; 1M: OOM (warm-up: ...)"
 
@@ -52,6 +51,7 @@ def test_the_length_search_doubles_until_out_of_memory(monkeypatch):
 def test_an_attempt_predicted_past_the_budget_is_not_started(monkeypatch):
     monkeypatch.setattr(trainer_vs_hf, "attempt", lambda args, argv, spec: {
         **spec, "setup_s": 10.0, "seconds": 20.0, "tokens_per_s": 1.0, "peak_gib": None, "mfu": 0.0})
-    args = argparse.Namespace(seq_lens=[32768, 65536], max_seq_len=65536, warmup=3, repeat=5, max_seconds=100.0)
-    rows = trainer_vs_hf.run_method(args, [], "cpcompile")
-    assert len(rows) == 2 and rows[1]["note"].startswith("not run: over the --max-seconds budget (495 s predicted")
+    args = argparse.Namespace(seq_lens=[32768, 65536], max_seq_len=65536, warmup=3, repeat=5)
+    rows = trainer_vs_hf.run_method(args, [], "cpcompile", budget=100.0)
+    # set-up 10 s + (3 warm-up + 1 measured) x 20 s x 3
+    assert len(rows) == 2 and rows[1]["note"].startswith("not run: over the time budget (250 s predicted")
