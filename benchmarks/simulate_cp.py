@@ -38,7 +38,7 @@ SDPA_WRAPPERS = {"all_gather": "sdpa_hf", "ulysses": "sdpa_hf_ulysses"}
 ROW_MARK = "SIMULATED_ROW "
 GB = 1e9
 # a row needs at least this much of the budget left to start (imports, model build, CP rewrite)
-MIN_ROW_SECONDS = 30
+MIN_ROW_SECONDS = 60
 
 
 def parse_tokens(text: str) -> list[int]:
