@@ -38,33 +38,33 @@ SEEN_NAMESPACES = ("aten", "prim", "prims", "c10d", *FUNCTIONAL_NAMESPACES)  # t
 NOT_SENDING = ("wait_tensor", "irecv", "recv_", "recv_any_source_", "barrier", "monitored_barrier_",
                "check_for_nan", "send")  # send: counted by the ProcessGroup.send wrapper instead
 
-# op name (without overload) -> (rule, names of the tensor argument(s) whose bytes are B)
+# op name (without overload) -> (rule, the argument(s) whose bytes are B: the first name the op has)
 RULES = {
-    "all_gather_into_tensor": ("all_gather", "input"),
-    "all_gather_into_tensor_out": ("all_gather", "input"),
-    "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
-    "_allgather_base_": ("all_gather", "input_tensor"),
-    "allgather_": ("all_gather", "input_tensors"),
-    "allgather_coalesced_": ("all_gather", "input_list"),
-    "allgather_into_tensor_coalesced_": ("all_gather", "inputs"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor_out": ("reduce_scatter", "input"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
-    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
-    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
-    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
-    "all_reduce": ("all_reduce", "input"),
-    "all_reduce_": ("all_reduce", "input"),
-    "all_reduce_coalesced": ("all_reduce", "inputs"),
-    "all_reduce_coalesced_": ("all_reduce", "inputs"),
-    "allreduce_": ("all_reduce", "tensors"),
-    "allreduce_coalesced_": ("all_reduce", "tensors"),
-    "all_to_all_single": ("all_to_all", "input"),
-    "alltoall_base_": ("all_to_all", "input"),
-    "alltoall_": ("all_to_all_list", "input_tensors"),
-    "broadcast": ("broadcast", "input"),
-    "broadcast_": ("broadcast", "input"),  # the c10d op's argument is `tensors`: see _named_arguments
-    "isend": ("send", "tensor"),
+    "all_gather_into_tensor": ("all_gather", ("input",)),
+    "all_gather_into_tensor_out": ("all_gather", ("input",)),
+    "all_gather_into_tensor_coalesced": ("all_gather", ("inputs",)),
+    "_allgather_base_": ("all_gather", ("input_tensor",)),
+    "allgather_": ("all_gather", ("input_tensors",)),
+    "allgather_coalesced_": ("all_gather", ("input_list",)),
+    "allgather_into_tensor_coalesced_": ("all_gather", ("inputs",)),
+    "reduce_scatter_tensor": ("reduce_scatter", ("input",)),
+    "reduce_scatter_tensor_out": ("reduce_scatter", ("input",)),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", ("inputs",)),
+    "_reduce_scatter_base_": ("reduce_scatter", ("input_tensor",)),
+    "reduce_scatter_": ("reduce_scatter", ("input_tensors",)),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", ("inputs",)),
+    "all_reduce": ("all_reduce", ("input",)),
+    "all_reduce_": ("all_reduce", ("input",)),
+    "all_reduce_coalesced": ("all_reduce", ("inputs",)),
+    "all_reduce_coalesced_": ("all_reduce", ("inputs",)),
+    "allreduce_": ("all_reduce", ("tensors",)),
+    "allreduce_coalesced_": ("all_reduce", ("tensors",)),
+    "all_to_all_single": ("all_to_all", ("input",)),
+    "alltoall_base_": ("all_to_all", ("input",)),
+    "alltoall_": ("all_to_all_list", ("input_tensors",)),
+    "broadcast": ("broadcast", ("input",)),
+    "broadcast_": ("broadcast", ("input", "tensors")),  # functional: input; c10d: tensors
+    "isend": ("send", ("tensor",)),
 }
 
 
@@ -178,11 +178,9 @@ class CollectiveBytes(TorchDispatchMode):
         if name not in RULES:
             self.unknown[f"{namespace}.{name}"] += 1
             return
-        rule, payload_name = RULES[name]
+        rule, payload_names = RULES[name]
         named = _named_arguments(func, args, kwargs)
-        if name == "broadcast_" and namespace == "c10d":
-            payload_name = "tensors"
-        payload = named[payload_name]
+        payload = next(named[n] for n in payload_names if n in named)
         if rule == "send":  # a functional isend: no group size needed
             self.add(category(namespace, rule), name, tensor_bytes(payload))
             return
@@ -206,7 +204,6 @@ class CollectiveBytes(TorchDispatchMode):
     def by_collective(self) -> dict[str, tuple[int, int]]:
         """'category/op' -> (calls, bytes sent)."""
         return {f"{kind}/{op}": (self.calls[(kind, op)], sent) for (kind, op), sent in sorted(self.sent.items())}
-
 
 
 @torch.library.custom_op("collective_bytes::excluded_keys_probe", mutates_args=())
