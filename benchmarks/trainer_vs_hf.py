@@ -3,7 +3,7 @@
     python benchmarks/trainer_vs_hf.py                     # 32K, 64K, 128K, then the longest that fits
     options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 300 --total-seconds 450
              --compile-backend inductor --methods cpcompile,hf,hf_fused_ce --out FILE
-    python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --max-seq-len 256   # smoke
+    python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --out /tmp/r.md   # smoke (no search)
 
 Three ways to train the same model (trainer_gpu.py's Qwen3.5-shaped 0.57B, random weights, seed 0)
 on the same tokens (the trainer's synthetic rows) at the same precision (float32 parameters,
@@ -372,7 +372,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--seq-lens", default="32K,64K,128K", help="then doubling from the last up to --max-seq-len")
-    parser.add_argument("--max-seq-len", default="4M")
+    parser.add_argument("--max-seq-len", default=None, help="4M; with --small: the last --seq-lens (no search)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--max-seconds", type=float, default=300.0, help="per method")
@@ -392,7 +392,8 @@ def main() -> None:
     methods = args.methods.split(",")
     if any(m not in METHODS for m in methods) or args.warmup < 1 or args.repeat < 1:
         parser.error(f"--methods takes {', '.join(METHODS)}; --warmup and --repeat are >= 1")
-    args.seq_lens, (args.max_seq_len,) = parse_lengths(args.seq_lens), parse_lengths(args.max_seq_len)
+    args.seq_lens = parse_lengths(args.seq_lens)
+    (args.max_seq_len,) = parse_lengths(args.max_seq_len or ("4M" if not args.small else str(args.seq_lens[-1])))
     start, rows = time.perf_counter(), []
     for method in methods:  # each within its own budget and what is left of the whole run's
         left = args.total_seconds - (time.perf_counter() - start)

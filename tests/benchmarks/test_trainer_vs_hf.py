@@ -19,7 +19,7 @@ def test_one_row_per_method_and_a_results_file(tmp_path):
     out = tmp_path / "result.md"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_vs_hf.py"), "--small", "--device", "cpu",
-           "--seq-lens", "256", "--max-seq-len", "256", "--warmup", "1", "--repeat", "1", "--out", str(out)]
+           "--seq-lens", "256", "--warmup", "1", "--repeat", "1", "--out", str(out)]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
