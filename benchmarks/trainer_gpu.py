@@ -20,6 +20,17 @@ cpcompile's Triton core (with cp 1 too); SDPA AllGather and GDN State-P2P under 
 prints its peak allocated memory; the last line is the summary with MFU, counted as
 6 x (non-embedding parameters) + the causal attention term per token, against `--peak-tflops`
 (H200 dense bf16: 989), without the activation-checkpointing recompute.
+
+    python benchmarks/trainer_gpu.py --simulate-cp 2,4,8,16 [--tokens 128K,256K,512K,1M]
+        [--sdpa all_gather,ulysses] [--warmup 2 --steps 2] [--max-seconds 540] [--bandwidth-gbps 450]
+
+`--simulate-cp` plays, on one device, rank 0 and the last rank of a CP=N job under PyTorch's fake
+process group, one subprocess per row: real memory and compute, zero communication, the bytes each
+rank sends counted from its collectives, and the CP=N step predicted from them (simulate_cp.py
+says how; collective_bytes.py the byte formulas). GDN runs State-P2P; SDPA AllGather or Ulysses
+(`--sdpa`; Ulysses where the heads allow: the rows say which N cpcompile refuses). Each row also has
+the trainer's memory estimate (`memory_estimate`, what `--dry-run` prints) beside the measured peak.
+Smoke: `--simulate-cp 2 --small --device cpu --tokens 64`.
 """
 from __future__ import annotations
 
@@ -41,13 +52,13 @@ SMALL = dict(MODEL, vocab_size=512, hidden_size=64, intermediate_size=128, num_h
              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 
 
-def config(args, loss: str = "chunked", ac="every_layer") -> dict:
-    backend = "triton" if args.device == "cuda" else "eager"
+def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf") -> dict:
+    backend = args.gdn_backend or ("triton" if args.device == "cuda" else "eager")
     plan = {"accelerator": {"cp_size": args.cp}, "plan_overrides": [
         {"match": "*.linear_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
          "inner_wrapper": {"_target_": "cpcompile.adapters.qwen3_5.qwen3_5_gdn_p2p_cp_wrapper", "backend": backend}},
         {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
-         "inner_wrapper": "sdpa_hf"}]}
+         "inner_wrapper": sdpa}]}
     return {"model": SMALL if args.small else MODEL, **plan,
             "train": {"steps": args.steps, "seq_len": args.seq_len, "batch_size": 1, "lr": 3e-4, "seed": 0,
                       "dtype": "float32", "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
@@ -134,9 +145,42 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def simulate(args, parser) -> None:
+    """`--simulate-cp`: the parent runs every row in a child process (`--simulate-row`)."""
+    import simulate_cp
+
+    if "," in args.loss or "," in args.ac:
+        parser.error("--simulate-cp runs one --loss and one --ac mode")
+    args.steps = 2 if args.steps is None else args.steps
+    if args.warmup < 2 or args.steps < 1:
+        parser.error("--simulate-cp needs --warmup >= 2 (the last counts the bytes, the first is no typical step) "
+                     "and --steps >= 1")
+    if args.simulate_row:
+        from cpcompile.trainer import load_train_config
+
+        def train_config_for(child_args, sdpa_wrapper):
+            # the run's LR schedule covers the warm-up and the measured steps
+            scheduled = argparse.Namespace(**{**vars(child_args), "steps": child_args.warmup + child_args.steps})
+            return load_train_config(config(scheduled, scheduled.loss, ac_setting(scheduled.ac), sdpa_wrapper))
+
+        return simulate_cp.child_main(args, args.simulate_row, train_config_for)
+    args.simulate_cp = [int(n) for n in args.simulate_cp.split(",")]
+    args.tokens = simulate_cp.parse_tokens(args.tokens or ("64,128" if args.small else "128K,256K,512K,1M"))
+    args.sdpa = args.sdpa.split(",")
+    unknown = [m for m in args.sdpa if m not in simulate_cp.SDPA_WRAPPERS]
+    if unknown or any(n < 2 for n in args.simulate_cp):
+        parser.error(f"--sdpa takes {', '.join(simulate_cp.SDPA_WRAPPERS)}; --simulate-cp sizes are >= 2")
+    rows = simulate_cp.run_all(args, sys.argv[1:], os.path.abspath(__file__))
+    print(f"\nPer rank ({'tiny model' if args.small else 'Qwen3.5-shaped 0.57B'}, {args.device}, loss {args.loss}, "
+          f"AC {args.ac}, warm-up {args.warmup} + {args.steps} measured steps, comm at {args.bandwidth_gbps:g} GB/s):")
+    print(simulate_cp.rank_table(rows, args.bandwidth_gbps))
+    print("\nThe CP=N job (the slower of the two ranks):")
+    print(simulate_cp.job_table(rows, args.bandwidth_gbps), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=None, help="20; with --simulate-cp: measured steps, 2")
     parser.add_argument("--seq-len", type=int, default=32768)
     parser.add_argument("--cp", type=int, default=1)
     parser.add_argument("--ac", default="every_layer", help="comma-separated: off, every_layer, every_n:K, selective")
@@ -146,8 +190,21 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--dry-run", action="store_true")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--gdn-backend", default=None, choices=("triton", "eager"),
+                        help="default: triton on cuda, eager on cpu (triton on cpu: TRITON_INTERPRET=1)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same shape family (smoke runs)")
+    simulation = parser.add_argument_group("per-rank simulation of a CP=N job on one device (simulate_cp.py)")
+    simulation.add_argument("--simulate-cp", default=None, help="comma-separated CP sizes N, e.g. 2,4,8,16")
+    simulation.add_argument("--tokens", default=None, help="global tokens a step: 128K,256K,512K,1M (--small: 64,128)")
+    simulation.add_argument("--sdpa", default="all_gather,ulysses", help="comma-separated: all_gather, ulysses")
+    simulation.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (the last counts bytes)")
+    simulation.add_argument("--max-seconds", type=float, default=540.0, help="for all rows; rows past it say so")
+    simulation.add_argument("--bandwidth-gbps", type=float, default=450.0, help="per direction (H200 NVLink: 450)")
+    simulation.add_argument("--simulate-row", default=None, help=argparse.SUPPRESS)  # one row, in a child process
     args = parser.parse_args()
+    if args.simulate_cp or args.simulate_row:
+        return simulate(args, parser)
+    args.steps = 20 if args.steps is None else args.steps
 
     import torch
 

@@ -169,13 +169,19 @@ def build_mesh(accelerator: AcceleratorConfig | Plan, device_type: str | None = 
 
 def group_options(device_type: str, timeout: datetime.timedelta | None):
     """The backend options DeviceMesh takes (`backend_override`) to give its groups `timeout`
-    (DeviceMesh reads the timeout from them; gloo reads nothing else). None without a timeout, and
-    for HCCL, whose options class is torch_npu's: its sub-groups keep their default timeout."""
-    if timeout is None or device_type not in ("cpu", "cuda"):
+    (DeviceMesh reads the timeout from them; gloo reads nothing else). None without a timeout; for
+    HCCL, whose options class is torch_npu's: its sub-groups keep their default timeout; and under
+    the fake process group, whose sub-groups are fake too and refuse another backend's options
+    (nothing they run can wait, so there is no timeout to give)."""
+    if timeout is None or device_type not in ("cpu", "cuda") or _fake_default_group():
         return None
     options = dist.ProcessGroupNCCL.Options() if device_type == "cuda" else dist.ProcessGroupGloo._Options()
     options._timeout = timeout
     return options
+
+
+def _fake_default_group() -> bool:
+    return dist.is_initialized() and dist.get_backend() == "fake"
 
 
 def _resolve_device_type(device_type: str | None) -> str:

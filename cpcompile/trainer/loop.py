@@ -33,8 +33,7 @@ from ..mesh import build_mesh
 from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
-from . import checkpoint
-from .checkpointing import saved_hidden_states
+from . import checkpoint, memory
 from .config import DTYPES, TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
@@ -365,27 +364,11 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
 
 
 def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
-    """A rough per-rank estimate: parameters, gradients and two AdamW moments, sharded over
-    dp_shard x cp and split over tp (as if TP split them all: its linears are most of them); the
-    saved activations (`checkpointing.saved_hidden_states`, counted from the config as for
-    Llama-style layers: a layer left alone keeps its projections, norms, activations and
-    attention, a checkpointed one its input alone, so `every_n: k` keeps the first on the
-    layers it leaves and the second on the others; a `selective` one its input and the outputs
-    its policy saves; not the transient memory of one layer's recompute); the logits and their
-    float32 loss copies (of one chunk of `train.loss_chunk_tokens` with the chunked loss)."""
-    settings, accelerator = config.train, config.plan.accelerator
-    element = torch.empty((), dtype=DTYPES[settings.dtype]).element_size()
-    shards = accelerator.dp_shard_size * accelerator.cp_size * accelerator.tp_size
-    text = model_config.get_text_config()
-    tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
-    gib = 2.0 ** 30
-    states = 4 * params * element / shards / gib
-    hidden_states = saved_hidden_states(settings.ac_mode, text, accelerator.cp_size)
-    activations = hidden_states * tokens * text.hidden_size * element / gib
-    logit_rows = tokens if settings.loss == "full" else min(tokens, settings.loss_chunk_tokens)
-    logits = logit_rows * text.vocab_size * (element + 8) / gib
-    return {"states": states, "activations": activations, "logits": logits,
-            "total": states + activations + logits}
+    """The per-rank peak of a steady-state step in GiB, term by term and `total`: parameters,
+    gradients and AdamW states sharded by FSDP2, FSDP2's gathered buffers, the saved activations,
+    the loss's buffers, one layer's recompute and backward (`trainer/memory.py` says what each
+    term assumes)."""
+    return memory.estimate(config, params, model_config)
 
 
 def _tolerance(settings: TrainSettings) -> str:

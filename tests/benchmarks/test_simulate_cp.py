@@ -1,0 +1,79 @@
+"""`trainer_gpu.py --simulate-cp` on CPU at a tiny size (one rank of a CP=2 job per row, under the
+fake process group), and the byte counter it uses (`benchmarks/collective_bytes.py`) on a known set
+of collectives, each checked against the formula of that module's doc."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+
+def test_simulate_cp_prints_a_row_per_rank_with_bytes_sent():
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_gpu.py"), "--simulate-cp", "2", "--small",
+           "--device", "cpu", "--tokens", "64", "--sdpa", "all_gather", "--steps", "1"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    table = res.stdout[res.stdout.index("| SDPA | N |"):].split("\n\n")[0].splitlines()[2:]
+    rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table]
+    assert [row[:5] for row in rows] == [["all_gather", "2", "64", "32", "0"], ["all_gather", "2", "64", "32", "1"]]
+    for row in rows:
+        sent_total = float(row[10].split()[0])
+        assert sent_total > 0, row
+        assert float(row[8]) > 0 and float(row[6]) > 0, row  # compute time, memory estimate
+    assert "\n| all_gather | 2 | 64 | " in res.stdout.split("The CP=N job")[1]  # its job line
+
+
+@torch.library.custom_op("test_simulate_cp::send_inside", mutates_args=())
+def send_inside(x: torch.Tensor) -> torch.Tensor:
+    """A send inside a custom op, as GDN State-P2P's executor sends its states."""
+    dist.isend(x.contiguous(), dst=2).wait()
+    return x.clone()
+
+
+@pytest.fixture
+def fake_group():
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+    yield dist.group.WORLD
+    dist.destroy_process_group()
+
+
+def test_bytes_sent_match_the_formulas(fake_group):
+    """Rank 1 of 4, float32 inputs: every collective of the module doc's table, functional, c10d
+    and point-to-point (one send inside a custom op, as GDN State-P2P's), counted once each."""
+    from collective_bytes import CollectiveBytes
+
+    name, n = fake_group.group_name, 4
+    funcol = torch.ops._c10d_functional
+    plain_send = dist.ProcessGroup.__dict__["send"]
+    with CollectiveBytes() as sent:
+        funcol.wait_tensor(torch.ops._c10d_functional_autograd.all_gather_into_tensor(torch.zeros(8), n, name))
+        funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.zeros(32), "sum", n, name))
+        funcol.wait_tensor(funcol.all_to_all_single(torch.zeros(8), [2, 2, 2, 2], [1, 1, 1, 5], name))
+        dist.all_gather_into_tensor(torch.empty(32), torch.zeros(8))
+        dist.reduce_scatter_tensor(torch.empty(2), torch.zeros(8))
+        dist.all_reduce(torch.zeros(4))
+        dist.isend(torch.zeros(5), dst=2).wait()
+        dist.irecv(torch.zeros(5), src=0).wait()
+        send_inside(torch.zeros(6))
+    expected = {
+        "cp/all_gather_into_tensor": (1, (n - 1) * 32),  # its 32 bytes to 3 peers
+        "cp/reduce_scatter_tensor": (1, 128 * (n - 1) // n),  # 3 of its 4 blocks of 32 bytes
+        "cp/all_to_all_single": (1, 32 * 7 // 8),  # keeps its own row (split 1 of 8 rows)
+        "cp/send": (2, 20 + 24),  # the receive sends nothing
+        "fsdp/_allgather_base_": (1, (n - 1) * 32),
+        "fsdp/_reduce_scatter_base_": (1, 32 * (n - 1) // n),
+        "reductions/allreduce_": (1, 2 * 16 * (n - 1) // n),
+    }
+    assert sent.by_collective() == expected
+    assert sent.total == sum(b for _, b in expected.values()) and not sent.unknown
+    assert dist.ProcessGroup.__dict__["send"] is plain_send  # unwrapped again
