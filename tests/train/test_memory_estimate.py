@@ -76,3 +76,18 @@ def test_allgather_keeps_the_other_ranks_keys_and_values(model):
         assert layer_saved_bytes(text, "full_attention", bf16, cp, "all_gather") - local == 2 * kv * 2 * (cp - 1)
     # Ulysses over 8 ranks with 2 KV heads: each KV head copied 4 times before the exchange
     assert layer_saved_bytes(text, "full_attention", bf16, 8, "ulysses") - local == 2 * kv * 2 * 3
+
+
+def test_the_checkpointing_modes_order_the_activations(model):
+    """Layer by layer as each mode picks them: every layer < every second layer < none; selective
+    keeps more than a checkpointed layer's input and less than a layer left alone, and its replay
+    (what it recomputes) is smaller than a whole layer's."""
+    from cpcompile.trainer.loop import memory_estimate
+
+    params = sum(p.numel() for p in model.parameters())
+    every, second, selective, off = (memory_estimate(_config(1, 32768, "chunked", ac=ac), params, model.config)
+                                     for ac in ("every_layer", {"every_n": 2}, "selective", "off"))
+    assert every["activations"] < second["activations"] < off["activations"]
+    assert every["activations"] < selective["activations"] < off["activations"]
+    assert selective["layer_backward"] < every["layer_backward"]
+    assert off["layer_backward"] < every["layer_backward"]
