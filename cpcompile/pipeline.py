@@ -387,8 +387,10 @@ class InstalledRegion:
         positions = kwargs.pop(DOCUMENTS_KWARG, None)
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
-            # whether the last call's documents came down from its layer (else: the feed's, the latest call's)
-            self.documents_handed = handed
+            # whether the last call's documents came down from its layer (else: the feed's, the latest call's);
+            # not recorded under torch.compile, which refuses a side effect inside a checkpointed layer
+            if not torch.compiler.is_compiling():
+                self.documents_handed = handed
             kwargs = {**kwargs, "document_positions": positions if handed else self.documents.positions}
         if self.reads_global_positions and kwargs.get(QUERY_POSITIONS) is None \
                 and self.documents.global_positions is not None and torch._C._current_graph_task_id() == -1:
@@ -403,16 +405,19 @@ class InstalledRegion:
         leaves, key = flatten_call(self.target.fqn, args, kwargs)
         program = self.programs.get(key)
         if program is None:
-            with _saving_nothing_for_checkpoints():
-                program = self._build(args, kwargs)
-        else:
+            program = self._build(args, kwargs)
+        elif not torch.compiler.is_compiling():  # compiled code looks its graph up once, when traced
             self.programs.move_to_end(key)  # least recently used goes first
         if check_finite_enabled():
             return self.finite_guard.around(leaves, program)
         return program(leaves)
 
-    @torch.compiler.disable
+    @torch.compiler.disable  # an export and the passes: Dynamo breaks the graph here
     def _build(self, args: tuple, kwargs: dict, agree_now: bool = True) -> RegionProgram:
+        with _saving_nothing_for_checkpoints():
+            return self._build_agreed(args, kwargs, agree_now)
+
+    def _build_agreed(self, args: tuple, kwargs: dict, agree_now: bool) -> RegionProgram:
         """Trace, rewrite and cache the region for a call signature (args already prepared).
 
         A shared signature not seen before is met by every rank at the same call: the trace and
@@ -469,8 +474,9 @@ class InstalledRegion:
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
             ep = trace_region(target.module, self.region.forward, args, kwargs)
-        if ep.call_spec.in_spec != key[0]:
-            raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
+        call_spec = pytree.tree_structure((tuple(args), dict(kwargs)))
+        if ep.call_spec.in_spec != call_spec:
+            raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {call_spec}")
         program = RegionProgram.from_export(ep, target.module, target.fqn, frozenset(t.module for t in self.tp_linears))
         if self.tp_linears:
             program.gm = full_gradients_for_replicated_params(program.gm, program, self.tp_linears[0].group_name)

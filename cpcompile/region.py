@@ -36,8 +36,12 @@ RANK_LOCAL_KWARGS = frozenset({"attention_mask"})
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     """The call's leaves, and the key a traced graph is specialised on: the structure, each
     tensor's shape/dtype/device, each other leaf's value and the autocast state. Anything else
-    cannot be keyed reliably, so it is refused rather than traced again on every call."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    cannot be keyed reliably, so it is refused rather than traced again on every call.
+
+    The key is plain tuples, strings and numbers, so that `torch.compile` can trace the lookup of
+    a region's graph by it (Dynamo cannot hash pytree's `TreeSpec`)."""
+    call = (tuple(args), dict(kwargs))
+    leaves = pytree.tree_leaves(call)
     described = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
@@ -47,7 +51,18 @@ def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]
         else:
             raise TypeError(f"{fqn}: a CP region cannot take an argument of type {type(leaf).__name__}; "
                             "pass tensors and plain values (int, float, bool, str, None)")
-    return leaves, (spec, tuple(described), autocast_state(leaves))
+    return leaves, (call_structure(call), tuple(described), autocast_state(leaves))
+
+
+def call_structure(tree: Any) -> Any:
+    """How a call nests its containers, as a hashable value: `(type name, children)` for tuples,
+    lists and dicts (with their keys), the type's name for anything else (a leaf, or a container
+    type registered with pytree, whose leaves the key describes one by one)."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree).__name__, tuple(call_structure(child) for child in tree)
+    if isinstance(tree, dict):
+        return type(tree).__name__, tuple((name, call_structure(child)) for name, child in tree.items())
+    return type(tree).__name__
 
 
 def autocast_state(leaves: list[Any]) -> tuple:
