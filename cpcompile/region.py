@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
+from .collectives import runnable_graph
 from .errors import CPConfigError, UnsupportedError
 from .tp import live_local
 
@@ -140,6 +141,10 @@ class RegionProgram:
     `fully_shard`, which swaps parameters on their modules, still works — or a constant.
     `tp_state` holds the indices of tensor-parallel parameters, which the graph was traced with
     as local shards (`tp.py`): it takes their `to_local()`.
+
+    `gm` is the graph the passes rewrite, the dump shows and tests read; a call runs `runnable`,
+    its copy with compiler-visible collective launches (`collectives.runnable_graph`), made
+    whenever `gm` is set.
     """
 
     gm: fx.GraphModule
@@ -147,6 +152,11 @@ class RegionProgram:
     out_spec: pytree.TreeSpec
     fqn: str = ""
     tp_state: frozenset[int] = frozenset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "gm":
+            super().__setattr__("runnable", runnable_graph(value))
 
     @classmethod
     def from_export(cls, ep: torch.export.ExportedProgram, module: nn.Module, fqn: str = "",
@@ -171,4 +181,4 @@ class RegionProgram:
         return live + list(leaves)
 
     def __call__(self, leaves: list[Any]) -> Any:
-        return pytree.tree_unflatten(self.gm(*self.flat_inputs(leaves)), self.out_spec)
+        return pytree.tree_unflatten(self.runnable(*self.flat_inputs(leaves)), self.out_spec)
