@@ -17,6 +17,7 @@ from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_
 from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
+from .compiled import regions_inlined
 from .context import DeclaredAttention, PassContext
 from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
@@ -371,6 +372,7 @@ class InstalledRegion:
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
         self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
+        self.warned_compiling = False  # a call inside torch.compile, not inlined, was logged
         args, kwargs = self._prepare(args, kwargs)
         # at compile the group agrees on every region's first signature and outcome at once (`compile`)
         self.first_signature = shared_signature(args, kwargs)
@@ -401,11 +403,29 @@ class InstalledRegion:
         return args, kwargs
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and not regions_inlined():
+            return self._run_as_own_graph(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    @torch.compiler.disable(recursive=False)
+    def _run_as_own_graph(self, *args, **kwargs):
+        """Under `torch.compile` but not `compile_around_regions`: the caller's graph ends here on
+        every rank, and the region runs as graphs of its own (what it calls is compiled apart);
+        why not inlined: `cpcompile.compiled`."""
+        if not self.warned_compiling:
+            self.warned_compiling = True
+            log.warning("cpcompile: %s is called inside torch.compile: the compiled graph breaks around it (inside "
+                        "an activation checkpoint the whole checkpointed layer runs eagerly). Compile code around CP "
+                        "regions with cpcompile.compiled.compile_around_regions for one graph with the regions "
+                        "inside. Logged once per region.", self.target.fqn)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args, **kwargs):
         args, kwargs = self._prepare(args, kwargs)
         leaves, key = flatten_call(self.target.fqn, args, kwargs)
         program = self.programs.get(key)
         if program is None:
-            program = self._build(args, kwargs)
+            program = self._build(args, kwargs, inlined=torch.compiler.is_compiling() and regions_inlined())
         elif not torch.compiler.is_compiling():  # compiled code looks its graph up once, when traced
             self.programs.move_to_end(key)  # least recently used goes first
         if check_finite_enabled():
@@ -413,7 +433,11 @@ class InstalledRegion:
         return program(leaves)
 
     @torch.compiler.disable  # an export and the passes: Dynamo breaks the graph here
-    def _build(self, args: tuple, kwargs: dict, agree_now: bool = True) -> RegionProgram:
+    def _build(self, args: tuple, kwargs: dict, agree_now: bool = True, inlined: bool = False) -> RegionProgram:
+        if inlined:  # by compile_around_regions, whose eager first call should have traced it
+            log.warning("cpcompile: %s met a new input signature inside compile_around_regions (%s; its graph was "
+                        "dropped from the region's cache, or the signature depends on more than the compiled "
+                        "call's): the compiled graph breaks here", self.target.fqn, ", ".join(describe_call(args, kwargs)))
         with _saving_nothing_for_checkpoints():
             return self._build_agreed(args, kwargs, agree_now)
 

@@ -45,6 +45,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.checkpoint import checkpoint
 
 from ..adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
+from ..compiled import compile_around_regions
 from ..documents import DocumentFeed
 from ..errors import PlanError
 from ..kernels.gdn.common import CHUNK_SIZE
@@ -155,10 +156,13 @@ def apply_activation_checkpointing(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def compile_layers(model: torch.nn.Module, backend: str) -> None:
-    """`torch.compile` every decoder layer (after activation checkpointing, before FSDP2)."""
+def compile_layers(model: torch.nn.Module, backend) -> None:
+    """`torch.compile` every decoder layer's forward (after activation checkpointing, before FSDP2):
+    one graph per layer, its checkpoint and CP regions included; a call of a new input signature
+    runs eagerly first, so that its regions trace their graphs (`cpcompile.compiled`). The forward,
+    not the module's call: FSDP2's hooks around it stay eager, outside the graph."""
     for layer in decoder_layers(model):
-        layer.compile(backend=backend)
+        layer.forward = compile_around_regions(layer.forward, backend)
 
 
 def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
