@@ -21,8 +21,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # in param_dtype and reduces gradients in reduce_dtype
       grad_clip: null           # or a positive max global gradient norm
       activation_checkpointing: off   # off | every_layer (torch.utils.checkpoint, non-reentrant)
-      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer:
-                                # one torch.compiler.list_backends knows
+      compile_backend: null     # torch.compile of each decoder layer (CP regions and checkpoint inside):
+                                # a backend torch.compiler.list_backends knows (inductor, aot_eager);
+                                # eager: not compiled; null: the device's default (eager for now)
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path
       device: cpu               # cpu | cuda | npu
@@ -81,6 +82,10 @@ AC_MODES = ("off", "every_layer")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "text", "jsonl")
 GDN_BACKENDS = ("eager", "triton")
+EAGER = "eager"  # train.compile_backend: eager runs the decoder layers uncompiled, whatever the default
+# train.compile_backend when the config leaves it null, per device: eager everywhere for now (whether
+# CUDA gets inductor is for a GPU benchmark to decide); `eager` stays eager whatever this says.
+DEFAULT_COMPILE_BACKENDS: dict[str, str] = {"cpu": EAGER, "cuda": EAGER, "npu": EAGER}
 
 
 @dataclass(frozen=True)
@@ -120,7 +125,7 @@ class TrainSettings:
         check_choice("train.device", self.device, ("cpu", "cuda", "npu"))
         for name in ("compile_backend", "dump_dir", "metrics_file"):
             check_optional_string(f"train.{name}", getattr(self, name))
-        if self.compile_backend is not None:
+        if self.compile_backend not in (None, EAGER):
             check_compile_backend("train.compile_backend", self.compile_backend)
         check_bool("train.verify", self.verify)
         self.precision_policy()
@@ -129,6 +134,13 @@ class TrainSettings:
     @property
     def ac_mode(self) -> str:
         return _yaml_off(self.activation_checkpointing)
+
+    @property
+    def layer_compile_backend(self) -> str | None:
+        """The `torch.compile` backend of the decoder layers, None to run them eagerly:
+        `compile_backend`, or the device's default when it is null."""
+        backend = self.compile_backend if self.compile_backend is not None else DEFAULT_COMPILE_BACKENDS[self.device]
+        return None if backend == EAGER else backend
 
     def precision_policy(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy; (None, None) without one."""

@@ -207,8 +207,8 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None) -> Trai
     use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     if settings.ac_mode == "every_layer":
         apply_activation_checkpointing(model)
-    if settings.compile_backend:
-        compile_layers(model, settings.compile_backend)
+    if settings.layer_compile_backend:
+        compile_layers(model, settings.layer_compile_backend)
     sharding = fsdp_mesh(mesh)
     apply_fsdp(model, sharding, settings)
     optimizer, scheduler = build_optimizer(model, config)

@@ -31,3 +31,16 @@ def test_compiled_checkpointed_layers_follow_the_eager_run():
         assert _close(result["compiled"], result["eager"], 1e-12), (result["compiled"], result["eager"])
         assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
         assert result["graphs"] == LAYERS, result
+
+
+def test_compile_backend_null_is_the_device_default_and_eager_is_never_compiled(monkeypatch):
+    """`compile_backend: null` takes the device's default (eager everywhere for now); `eager` stays
+    eager when a default changes; any other name is the layers' backend."""
+    from cpcompile.trainer import config
+
+    def layers(backend, device="cpu"):
+        return config.TrainSettings(compile_backend=backend, device=device).validate().layer_compile_backend
+
+    assert layers(None) is None and layers("eager") is None and layers("aot_eager") == "aot_eager"
+    monkeypatch.setitem(config.DEFAULT_COMPILE_BACKENDS, "cuda", "inductor")
+    assert layers(None, "cuda") == "inductor" and layers("eager", "cuda") is None and layers(None) is None
