@@ -1,10 +1,11 @@
 """`torch.compile` of checkpointed decoder layers holding CP regions: one graph per layer, no break.
 
-A tiny Qwen3.5 (3 GDN layers under State-P2P, 1 attention layer under SDPA AllGather) at CP=2 on
-gloo, fp32, every decoder layer under non-reentrant activation checkpointing and compiled on its own
-(the trainer's `apply_activation_checkpointing` and `compile_layers`, backend aot_eager): its logits,
-loss and every parameter gradient equal the eager CP run's and the CP=1 reference's, and Dynamo
-captured each layer, its checkpoint and its region's collectives in one graph, with no graph break.
+A tiny Qwen3.5 (3 GDN layers under State-P2P, 1 attention layer under SDPA AllGather, sync and
+async) at CP=2 on gloo, fp32, every decoder layer under non-reentrant activation checkpointing and
+compiled on its own (the trainer's `apply_activation_checkpointing` and `compile_layers`, backend
+aot_eager): its logits, loss and every parameter gradient equal the eager CP run's and the CP=1
+reference's, Dynamo captured each layer, its checkpoint and its region's collectives in one graph,
+with no graph break, and the async region's launches stay apart from their waits in that graph.
 """
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from dist_utils import run_distributed
 from gdn_harness import DECAY_PARAMS, decay_as_close_as_reference, gdn_plan, tiny_qwen3_5, use_reference_gdn
 
 LOCAL_LEN = 12  # GDN chunk 8: a full chunk and a partial one per rank
+# SDPA AllGather, and its async variant (launches early, waits late: the schedule must survive)
+SDPA_WRAPPERS = {"sync": "sdpa_hf", "async": {"_target_": "cpcompile.wrappers.sdpa_hf_async_cp_wrapper"}}
 LAYERS = 4  # tiny_qwen3_5: 3 GDN layers, then an attention layer
 # The first call of a new signature runs eagerly (the regions trace their graphs), the second is
 # compiled, the third must reuse the compiled graphs: no recompile, no break.
@@ -62,19 +65,36 @@ def _collectives(gm: torch.fx.GraphModule) -> int:
                if node.op == "call_function" and "_c10d_functional" in str(node.target))
 
 
+def _overlapped_launches(gm: torch.fx.GraphModule) -> int:
+    """Collectives in a Dynamo graph (and its subgraphs) whose wait is not the next op after their
+    launch: the async schedule's launch/wait split, kept by the compiled graph."""
+    count = 0
+    for module in gm.modules():
+        if isinstance(module, torch.fx.GraphModule):
+            ops = [n for n in module.graph.nodes if n.op in ("call_function", "call_method")]
+            position = {n: i for i, n in enumerate(ops)}
+            count += sum(1 for n in ops if "wait_tensor" in str(n.target) and n.args[0] in position
+                         and position[n] - position[n.args[0]] > 1)
+    return count
+
+
 def _errors(got: dict, want: dict) -> dict:
     grads = {n: rel(got["grads"][n], g) for n, g in want["grads"].items()}
     return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]), "grads": grads,
             "missing": sorted(set(want["grads"]) - set(got["grads"]))}
 
 
-def _compiled_vs_eager(rank: int, world: int, seed: int) -> dict:
+def _compiled_vs_eager_per_sdpa_method(rank: int, world: int, seed: int) -> dict:
+    return {name: _compiled_vs_eager(world, seed, wrapper) for name, wrapper in SDPA_WRAPPERS.items()}
+
+
+def _compiled_vs_eager(world: int, seed: int, sdpa) -> dict:
     import torch._dynamo
 
     import cpcompile
     from cpcompile.trainer.parallelize import compile_layers
 
-    plan = cpcompile.load_plan(gdn_plan(world, "p2p", sdpa="sdpa_hf"))
+    plan = cpcompile.load_plan(gdn_plan(world, "p2p", sdpa=sdpa))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     batch = random_batch(seed, 2, LOCAL_LEN * world, padded=True)
     local = cpcompile.shard_batch(batch, mesh, plan)
@@ -107,6 +127,7 @@ def _compiled_vs_eager(rank: int, world: int, seed: int) -> dict:
         "frames": counters["stats"]["unique_graphs"],
         "graphs": len(graphs),
         "collectives_per_graph": [_collectives(gm) for gm in graphs],
+        "overlapped": _overlapped_launches(graphs[-1]),  # the attention layer's
         "checkpointed": all(any("checkpoint" in str(n.target) for n in gm.graph.nodes) for gm in graphs),
     }
 
@@ -115,19 +136,26 @@ def test_checkpointed_layers_with_cp_regions_compile_whole_and_exact():
     """Compiled = eager CP within 1e-5 everywhere; = the CP=1 reference within 1e-5 except the GDN
     decay parameters' gradients (fp32 sums of cancelling terms), which must be as close to a
     float64 run as the reference is. Dynamo: no graph break, nothing unsupported, one graph per
-    layer, each a checkpoint holding its region's collectives, none compiled again in the third step."""
-    for result in run_distributed(_compiled_vs_eager, 2, random.randrange(1 << 30), timeout=300):
-        assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
-        assert result["graphs"] == result["frames"] == LAYERS, result
-        assert result["checkpointed"] and min(result["collectives_per_graph"]) > 0, result
-        for same in (result["compiled_vs_eager"], result["first_vs_eager"], result["again_vs_compiled"]):
-            assert not same["missing"] and max(same["logits"], same["loss"], *same["grads"].values()) <= 1e-5, same
-        cp1 = result["compiled_vs_reference"]
-        rest = [v for n, v in cp1["grads"].items() if not n.endswith(DECAY_PARAMS)]
-        assert not cp1["missing"] and max(cp1["logits"], cp1["loss"], *rest) <= 1e-5, cp1
-        assert decay_as_close_as_reference(result["decay"]), result["decay"]
+    layer, each a checkpoint holding its region's collectives, none compiled again in the third step;
+    the async attention layer's graph keeps compute between launches and their waits, the sync one's none."""
+    for per_method in run_distributed(_compiled_vs_eager_per_sdpa_method, 2, random.randrange(1 << 30), timeout=300):
+        for result in per_method.values():
+            _check(result)
+        assert per_method["sync"]["overlapped"] == 0 < per_method["async"]["overlapped"], per_method
+
+
+def _check(result: dict) -> None:
+    assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
+    assert result["graphs"] == result["frames"] == LAYERS, result
+    assert result["checkpointed"] and min(result["collectives_per_graph"]) > 0, result
+    for same in (result["compiled_vs_eager"], result["first_vs_eager"], result["again_vs_compiled"]):
+        assert not same["missing"] and max(same["logits"], same["loss"], *same["grads"].values()) <= 1e-5, same
+    cp1 = result["compiled_vs_reference"]
+    rest = [v for n, v in cp1["grads"].items() if not n.endswith(DECAY_PARAMS)]
+    assert not cp1["missing"] and max(cp1["logits"], cp1["loss"], *rest) <= 1e-5, cp1
+    assert decay_as_close_as_reference(result["decay"]), result["decay"]
 
 
 if __name__ == "__main__":
     import pprint
-    pprint.pprint(run_distributed(_compiled_vs_eager, 2, 1, timeout=300)[0])
+    pprint.pprint(run_distributed(_compiled_vs_eager_per_sdpa_method, 2, 1, timeout=300)[0])
