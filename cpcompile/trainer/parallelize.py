@@ -17,12 +17,11 @@ activation checkpointing, `torch.compile`, FSDP2.
   in the same order on every rank (every rank recomputes the same layers at the same point of
   its backward; the regions' graphs are cached per input signature, so no rank re-traces or
   re-agrees alone).
-- **torch.compile** (`compile_backend`): each decoder layer on its own, its checkpointing
-  inside (one compiled graph per layer; compiling the whole model around checkpointed layers
-  makes the recompute take another graph than the forward, which `torch.utils.checkpoint`
-  refuses). With checkpointing, Dynamo cannot trace a checkpointed layer holding a CP region
-  (the region's call breaks the graph, and a break inside a checkpoint falls back to eager for
-  the whole layer): those layers run eagerly, correct but not compiled.
+- **torch.compile** (`compile_backend`): each decoder layer's forward on its own, its
+  checkpointing and CP regions inside: one compiled graph per layer, without a break
+  (`cpcompile.compiled.compile_around_regions`: a new input signature runs eagerly first, so the
+  regions trace it). Compiling the whole model around checkpointed layers makes the recompute
+  take another graph than the forward, which `torch.utils.checkpoint` refuses.
 - **FSDP2** (`fully_shard`): each decoder layer, then the root, shard over the flattened
   `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. With TP, the
   FSDP mesh is cut from the same root mesh as the `tp` mesh (FSDP2 requires one parent for 2-D
