@@ -28,7 +28,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch.utils import _pytree as pytree
 
-from .region import PLAIN_VALUES, autocast_state, call_structure
+from .region import autocast_state, call_structure, leaf_key
 
 
 _inlining = False  # set while `EagerFirstCompiled` runs its compiled function (Dynamo guards on it)
@@ -50,13 +50,12 @@ def inlining_regions() -> Iterator[None]:
 
 
 def call_signature(args: tuple, kwargs: dict) -> tuple:
-    """What a call's regions are traced for, and more: the structure, each tensor's shape, dtype,
-    device and whether it requires a gradient, each plain value, the type of anything else, and
-    the autocast and grad modes."""
-    leaves = pytree.tree_leaves((tuple(args), dict(kwargs)))
-    described = tuple((tuple(x.shape), x.dtype, x.device, x.requires_grad) if isinstance(x, torch.Tensor)
-                      else x if isinstance(x, PLAIN_VALUES) else type(x) for x in leaves)
-    return call_structure((tuple(args), dict(kwargs))), described, autocast_state(leaves), torch.is_grad_enabled()
+    """What the regions a call reaches are traced for, as a region's own key says it
+    (`region.flatten_call`), with any other leaf (a cache object) keyed by its type."""
+    call = (tuple(args), dict(kwargs))
+    leaves = pytree.tree_leaves(call)
+    described = tuple(leaf_key(leaf) or ("object", type(leaf)) for leaf in leaves)
+    return call_structure(call), described, autocast_state(leaves)
 
 
 class EagerFirstCompiled:

@@ -342,6 +342,9 @@ def _unchanged(tensor):
     return tensor
 
 
+_warned_not_inlined = False  # a region called inside torch.compile, not inlined, was logged (once a process)
+
+
 class InstalledRegion:
     """The replacement `forward`: one rewritten graph per input signature.
 
@@ -372,7 +375,6 @@ class InstalledRegion:
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
         self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
-        self.warned_compiling = False  # a call inside torch.compile, not inlined, was logged
         args, kwargs = self._prepare(args, kwargs)
         # at compile the group agrees on every region's first signature and outcome at once (`compile`)
         self.first_signature = shared_signature(args, kwargs)
@@ -412,12 +414,13 @@ class InstalledRegion:
         """Under `torch.compile` but not `compile_around_regions`: the caller's graph ends here on
         every rank, and the region runs as graphs of its own (what it calls is compiled apart);
         why not inlined: `cpcompile.compiled`."""
-        if not self.warned_compiling:
-            self.warned_compiling = True
-            log.warning("cpcompile: %s is called inside torch.compile: the compiled graph breaks around it (inside "
-                        "an activation checkpoint the whole checkpointed layer runs eagerly). Compile code around CP "
-                        "regions with cpcompile.compiled.compile_around_regions for one graph with the regions "
-                        "inside. Logged once per region.", self.target.fqn)
+        global _warned_not_inlined
+        if not _warned_not_inlined:
+            _warned_not_inlined = True
+            log.warning("cpcompile: CP regions (first: %s) are called inside torch.compile: the compiled graph breaks "
+                        "around each (inside an activation checkpoint the whole checkpointed layer runs eagerly). "
+                        "Compile code around CP regions with cpcompile.compiled.compile_around_regions for one graph "
+                        "with the regions inside. Logged once.", self.target.fqn)
         return self._run(*args, **kwargs)
 
     def _run(self, *args, **kwargs):

@@ -45,14 +45,22 @@ def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]
     leaves = pytree.tree_leaves(call)
     described = []
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            described.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
-        elif isinstance(leaf, PLAIN_VALUES):
-            described.append((type(leaf).__name__, leaf))
-        else:
+        key = leaf_key(leaf)
+        if key is None:
             raise TypeError(f"{fqn}: a CP region cannot take an argument of type {type(leaf).__name__}; "
                             "pass tensors and plain values (int, float, bool, str, None)")
+        described.append(key)
     return leaves, (call_structure(call), tuple(described), autocast_state(leaves))
+
+
+def leaf_key(leaf: Any) -> tuple | None:
+    """How one leaf of a call enters its signature: a tensor by its shape, dtype and device, a plain
+    value by itself; None for anything else."""
+    if isinstance(leaf, torch.Tensor):
+        return "tensor", tuple(leaf.shape), leaf.dtype, leaf.device
+    if isinstance(leaf, PLAIN_VALUES):
+        return type(leaf).__name__, leaf
+    return None
 
 
 def call_structure(tree: Any) -> Any:
