@@ -155,7 +155,3 @@ def _check(result: dict) -> None:
     assert not cp1["missing"] and max(cp1["logits"], cp1["loss"], *rest) <= 1e-5, cp1
     assert decay_as_close_as_reference(result["decay"]), result["decay"]
 
-
-if __name__ == "__main__":
-    import pprint
-    pprint.pprint(run_distributed(_compiled_vs_eager_per_sdpa_method, 2, 1, timeout=300)[0])
