@@ -18,6 +18,7 @@ from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_
 from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
+from .compiled import regions_inlined
 from .context import DeclaredAttention, PassContext
 from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
@@ -359,6 +360,9 @@ def _unchanged(tensor):
     return tensor
 
 
+_warned_not_inlined = False  # a region called inside torch.compile, not inlined, was logged (once a process)
+
+
 class InstalledRegion:
     """The replacement `forward`: one rewritten graph per input signature.
 
@@ -405,8 +409,10 @@ class InstalledRegion:
         positions = kwargs.pop(DOCUMENTS_KWARG, None)
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
-            # whether the last call's documents came down from its layer (else: the feed's, the latest call's)
-            self.documents_handed = handed
+            # whether the last call's documents came down from its layer (else: the feed's, the latest call's);
+            # not recorded under torch.compile, which refuses a side effect inside a checkpointed layer
+            if not torch.compiler.is_compiling():
+                self.documents_handed = handed
             kwargs = {**kwargs, "document_positions": positions if handed else self.documents.positions}
         if self.reads_global_positions and kwargs.get(QUERY_POSITIONS) is None \
                 and self.documents.global_positions is not None and torch._C._current_graph_task_id() == -1:
@@ -417,20 +423,46 @@ class InstalledRegion:
         return args, kwargs
 
     def __call__(self, *args, **kwargs):
+        if torch.compiler.is_compiling() and not regions_inlined():
+            return self._run_as_own_graph(*args, **kwargs)
+        return self._run(*args, **kwargs)
+
+    @torch.compiler.disable(recursive=False)
+    def _run_as_own_graph(self, *args, **kwargs):
+        """Under `torch.compile` but not `compile_around_regions`: the caller's graph ends here on
+        every rank, and the region runs as graphs of its own (what it calls is compiled apart);
+        why not inlined: `cpcompile.compiled`."""
+        global _warned_not_inlined
+        if not _warned_not_inlined:
+            _warned_not_inlined = True
+            log.warning("cpcompile: CP regions (first: %s) are called inside torch.compile: the compiled graph breaks "
+                        "around each (inside an activation checkpoint the whole checkpointed layer runs eagerly). "
+                        "Compile code around CP regions with cpcompile.compiled.compile_around_regions for one graph "
+                        "with the regions inside. Logged once.", self.target.fqn)
+        return self._run(*args, **kwargs)
+
+    def _run(self, *args, **kwargs):
         args, kwargs = self._prepare(args, kwargs)
         leaves, key = flatten_call(self.target.fqn, args, kwargs)
         program = self.programs.get(key)
         if program is None:
-            with _saving_nothing_for_checkpoints():
-                program = self._build(args, kwargs)
-        else:
+            program = self._build(args, kwargs, inlined=torch.compiler.is_compiling() and regions_inlined())
+        elif not torch.compiler.is_compiling():  # compiled code looks its graph up once, when traced
             self.programs.move_to_end(key)  # least recently used goes first
         if check_finite_enabled():
             return self.finite_guard.around(leaves, program)
         return program(leaves)
 
-    @torch.compiler.disable
-    def _build(self, args: tuple, kwargs: dict, agree_now: bool = True) -> RegionProgram:
+    @torch.compiler.disable  # an export and the passes: Dynamo breaks the graph here
+    def _build(self, args: tuple, kwargs: dict, agree_now: bool = True, inlined: bool = False) -> RegionProgram:
+        if inlined:  # by compile_around_regions, whose eager first call should have traced it
+            log.warning("cpcompile: %s met a new input signature inside compile_around_regions (%s; its graph was "
+                        "dropped from the region's cache, or the signature depends on more than the compiled "
+                        "call's): the compiled graph breaks here", self.target.fqn, ", ".join(describe_call(args, kwargs)))
+        with _saving_nothing_for_checkpoints():
+            return self._build_agreed(args, kwargs, agree_now)
+
+    def _build_agreed(self, args: tuple, kwargs: dict, agree_now: bool) -> RegionProgram:
         """Trace, rewrite and cache the region for a call signature (args already prepared).
 
         A shared signature not seen before is met by every rank at the same call: the trace and
@@ -487,8 +519,9 @@ class InstalledRegion:
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
             ep = trace_region(target.module, self.region.forward, args, kwargs)
-        if ep.call_spec.in_spec != key[0]:
-            raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {key[0]}")
+        call_spec = pytree.tree_structure((tuple(args), dict(kwargs)))
+        if ep.call_spec.in_spec != call_spec:
+            raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {call_spec}")
         program = RegionProgram.from_export(ep, target.module, target.fqn, frozenset(t.module for t in self.tp_linears))
         if self.tp_linears:
             program.gm = full_gradients_for_replicated_params(program.gm, program, self.tp_linears[0].group_name)

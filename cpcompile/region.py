@@ -13,6 +13,7 @@ from torch.export.graph_signature import InputKind
 from torch.utils import _pytree as pytree
 
 from .capture import PREFIX
+from .collectives import runnable_graph
 from .errors import CPConfigError, UnsupportedError
 from .tp import live_local
 
@@ -36,18 +37,41 @@ RANK_LOCAL_KWARGS = frozenset({"attention_mask"})
 def flatten_call(fqn: str, args: tuple, kwargs: dict) -> tuple[list[Any], tuple]:
     """The call's leaves, and the key a traced graph is specialised on: the structure, each
     tensor's shape/dtype/device, each other leaf's value and the autocast state. Anything else
-    cannot be keyed reliably, so it is refused rather than traced again on every call."""
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    cannot be keyed reliably, so it is refused rather than traced again on every call.
+
+    The key is plain tuples, strings and numbers, so that `torch.compile` can trace the lookup of
+    a region's graph by it (Dynamo cannot hash pytree's `TreeSpec`)."""
+    call = (tuple(args), dict(kwargs))
+    leaves = pytree.tree_leaves(call)
     described = []
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            described.append(("tensor", tuple(leaf.shape), leaf.dtype, leaf.device))
-        elif isinstance(leaf, PLAIN_VALUES):
-            described.append((type(leaf).__name__, leaf))
-        else:
+        key = leaf_key(leaf)
+        if key is None:
             raise TypeError(f"{fqn}: a CP region cannot take an argument of type {type(leaf).__name__}; "
                             "pass tensors and plain values (int, float, bool, str, None)")
-    return leaves, (spec, tuple(described), autocast_state(leaves))
+        described.append(key)
+    return leaves, (call_structure(call), tuple(described), autocast_state(leaves))
+
+
+def leaf_key(leaf: Any) -> tuple | None:
+    """How one leaf of a call enters its signature: a tensor by its shape, dtype and device, a plain
+    value by itself; None for anything else."""
+    if isinstance(leaf, torch.Tensor):
+        return "tensor", tuple(leaf.shape), leaf.dtype, leaf.device
+    if isinstance(leaf, PLAIN_VALUES):
+        return type(leaf).__name__, leaf
+    return None
+
+
+def call_structure(tree: Any) -> Any:
+    """How a call nests its containers, as a hashable value: `(type name, children)` for tuples,
+    lists and dicts (with their keys), the type's name for anything else (a leaf, or a container
+    type registered with pytree, whose leaves the key describes one by one)."""
+    if isinstance(tree, (tuple, list)):
+        return type(tree).__name__, tuple(call_structure(child) for child in tree)
+    if isinstance(tree, dict):
+        return type(tree).__name__, tuple((name, call_structure(child)) for name, child in tree.items())
+    return type(tree).__name__
 
 
 def autocast_state(leaves: list[Any]) -> tuple:
@@ -125,6 +149,10 @@ class RegionProgram:
     `fully_shard`, which swaps parameters on their modules, still works — or a constant.
     `tp_state` holds the indices of tensor-parallel parameters, which the graph was traced with
     as local shards (`tp.py`): it takes their `to_local()`.
+
+    `gm` is the graph the passes rewrite, the dump shows and tests read; a call runs `runnable`,
+    its copy with compiler-visible collective launches (`collectives.runnable_graph`), made
+    whenever `gm` is set.
     """
 
     gm: fx.GraphModule
@@ -132,6 +160,11 @@ class RegionProgram:
     out_spec: pytree.TreeSpec
     fqn: str = ""
     tp_state: frozenset[int] = frozenset()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "gm":
+            super().__setattr__("runnable", runnable_graph(value))
 
     @classmethod
     def from_export(cls, ep: torch.export.ExportedProgram, module: nn.Module, fqn: str = "",
@@ -156,4 +189,4 @@ class RegionProgram:
         return live + list(leaves)
 
     def __call__(self, leaves: list[Any]) -> Any:
-        return pytree.tree_unflatten(self.gm(*self.flat_inputs(leaves)), self.out_spec)
+        return pytree.tree_unflatten(self.runnable(*self.flat_inputs(leaves)), self.out_spec)

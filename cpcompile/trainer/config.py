@@ -35,8 +35,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # model's logits, then F.cross_entropy (for comparison)
       loss_chunk_tokens: 4096   # chunked: tokens per chunk; its logits [chunk, vocabulary] are the
                                 # loss's largest tensors
-      compile_backend: null     # or a torch.compile backend (aot_eager, inductor), per decoder layer:
-                                # one torch.compiler.list_backends knows
+      compile_backend: null     # torch.compile of each decoder layer (CP regions and checkpoint inside):
+                                # a backend torch.compiler.list_backends knows (inductor, aot_eager);
+                                # eager: not compiled; null: the device's default (eager for now)
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path
       device: cpu               # cpu | cuda | npu
@@ -110,6 +111,10 @@ LOSS_MODES = ("chunked", "full")
 SCHEDULES = ("cosine", "constant")
 DATA_SOURCES = ("synthetic", "text", "jsonl", "chat", "prompt_completion")
 GDN_BACKENDS = ("eager", "triton")
+EAGER = "eager"  # train.compile_backend: eager runs the decoder layers uncompiled, whatever the default
+# train.compile_backend when the config leaves it null, per device: eager everywhere for now (whether
+# CUDA gets inductor is for a GPU benchmark to decide); `eager` stays eager whatever this says.
+DEFAULT_COMPILE_BACKENDS: dict[str, str] = {"cpu": EAGER, "cuda": EAGER, "npu": EAGER}
 
 
 @dataclass(frozen=True)
@@ -152,7 +157,7 @@ class TrainSettings:
         check_choice("train.device", self.device, ("cpu", "cuda", "npu"))
         for name in ("compile_backend", "dump_dir", "metrics_file"):
             check_optional_string(f"train.{name}", getattr(self, name))
-        if self.compile_backend is not None:
+        if self.compile_backend not in (None, EAGER):
             check_compile_backend("train.compile_backend", self.compile_backend)
         check_bool("train.verify", self.verify)
         self.precision_policy()
@@ -161,6 +166,13 @@ class TrainSettings:
     @property
     def ac_mode(self) -> ACMode:
         return parse_ac_mode(self.activation_checkpointing)
+
+    @property
+    def layer_compile_backend(self) -> str | None:
+        """The `torch.compile` backend of the decoder layers, None to run them eagerly:
+        `compile_backend`, or the device's default when it is null."""
+        backend = self.compile_backend if self.compile_backend is not None else DEFAULT_COMPILE_BACKENDS[self.device]
+        return None if backend == EAGER else backend
 
     def precision_policy(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy; (None, None) without one."""

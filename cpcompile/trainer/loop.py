@@ -228,8 +228,8 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     progress.at("start")
     use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     apply_activation_checkpointing(model, settings.ac_mode)
-    if settings.compile_backend:
-        compile_layers(model, settings.compile_backend)
+    if settings.layer_compile_backend:
+        compile_layers(model, settings.layer_compile_backend)
     sharding = fsdp_mesh(mesh)
     apply_fsdp(model, sharding, settings)
     if on_meta:

@@ -19,12 +19,11 @@ activation checkpointing, `torch.compile`, FSDP2.
   in the same order on every rank (every rank recomputes the same layers at the same point of
   its backward; the regions' graphs are cached per input signature, so no rank re-traces or
   re-agrees alone).
-- **torch.compile** (`compile_backend`): each decoder layer on its own, its checkpointing
-  inside (one compiled graph per layer; compiling the whole model around checkpointed layers
-  makes the recompute take another graph than the forward, which `torch.utils.checkpoint`
-  refuses). With checkpointing, Dynamo cannot trace a checkpointed layer holding a CP region
-  (the region's call breaks the graph, and a break inside a checkpoint falls back to eager for
-  the whole layer): those layers run eagerly, correct but not compiled.
+- **torch.compile** (`compile_backend`): each decoder layer's forward on its own, its
+  checkpointing and CP regions inside: one compiled graph per layer, without a break
+  (`cpcompile.compiled.compile_around_regions`: a new input signature runs eagerly first, so the
+  regions trace it). Compiling the whole model around checkpointed layers makes the recompute
+  take another graph than the forward, which `torch.utils.checkpoint` refuses.
 - **FSDP2** (`fully_shard`): each decoder layer, then the root, shard over the flattened
   `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. With TP, the
   FSDP mesh is cut from the same root mesh as the `tp` mesh (FSDP2 requires one parent for 2-D
@@ -45,6 +44,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ..adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
+from ..compiled import compile_around_regions
 from ..documents import DocumentFeed
 from ..errors import PlanError
 from ..kernels.gdn.common import CHUNK_SIZE
@@ -153,10 +153,13 @@ def apply_activation_checkpointing(model: torch.nn.Module, mode: ACMode = EVERY_
     return checkpoint_layers(decoder_layers(model), mode)
 
 
-def compile_layers(model: torch.nn.Module, backend: str) -> None:
-    """`torch.compile` every decoder layer (after activation checkpointing, before FSDP2)."""
+def compile_layers(model: torch.nn.Module, backend) -> None:
+    """`torch.compile` every decoder layer's forward (after activation checkpointing, before FSDP2):
+    one graph per layer, its checkpoint and CP regions included; a call of a new input signature
+    runs eagerly first, so that its regions trace their graphs (`cpcompile.compiled`). The forward,
+    not the module's call: FSDP2's hooks around it stay eager, outside the graph."""
     for layer in decoder_layers(model):
-        layer.compile(backend=backend)
+        layer.forward = compile_around_regions(layer.forward, backend)
 
 
 def fsdp_mesh(mesh: CPMesh) -> DeviceMesh:
