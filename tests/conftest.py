@@ -21,3 +21,19 @@ if not torch.cuda.is_available():
 # Every rewritten collective checks, in backward, that what reaches it is contiguous: gloo would
 # accept anything, NCCL does not (cpcompile.collectives.check_gradient_layout). Ranks inherit it.
 os.environ.setdefault("CPCOMPILE_STRICT_COLLECTIVES", "1")
+
+# Ranks started by `dist_utils` are forked from this process: what it has imported they inherit
+# instead of importing it again (~2 s of CPU per rank on the CI box: AOT autograd, Inductor's
+# decompositions, torch.export, which every cpcompile.compile or torch.compile in a rank needs).
+# Imports only: no op runs here, so no thread pool exists before a fork (see dist_utils' note on
+# libgomp). Not transformers: with it imported here, tests/plan/test_mesh.py::test_four_gloo_ranks
+# hung (all 4 ranks, in a run of tests/plan) every time it was tried.
+import warnings  # noqa: E402
+
+with warnings.catch_warnings():  # an import-time torch.jit deprecation notice, not the tests'
+    warnings.simplefilter("ignore", DeprecationWarning)
+    import torch._functorch.aot_autograd  # noqa: F401
+    import torch._functorch.partitioners  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch._inductor.decomposition  # noqa: F401
+    import torch.export._trace  # noqa: F401
