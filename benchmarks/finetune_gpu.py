@@ -12,9 +12,9 @@ train` in this process (cp 1: built on the meta device, each parameter loaded fr
 after FSDP2; float32 parameters, bf16 compute, AC on every layer, the chunked loss, the Triton GDN
 core, `checkpoint.export: true`); (4) `from_pretrained` on the export and on the trained weights
 (gathered from the run), the logits of both on one row in float32, their largest difference.
-Timed: the load (`weights.load_pretrained`), its peak host memory (RSS sampled every 5 ms,
-above the RSS before it), each step, the export. A results table goes to `--out` (default:
-benchmarks/results/finetune_gpu_<date>_<device>.md).
+Timed: the load (`weights.load_pretrained`), its peak host memory (RSS above the RSS before it,
+sampled every millisecond by load_memory.py's meter), each step, the export. A results table goes
+to `--out` (default: benchmarks/results/finetune_gpu_<date>_<device>.md).
 """
 from __future__ import annotations
 
@@ -25,7 +25,6 @@ import os
 import random
 import sys
 import tempfile
-import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,32 +34,6 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "train"))
 
 WORDS = ("context parallel sequence token model layer state gate chunk kernel memory rank gradient "
          "attention delta rule tensor device stream shard export weight loss step").split()
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as handle:
-        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRSS:
-    """The largest RSS seen while the block runs (sampled every 5 ms), above the RSS at its start."""
-
-    def __enter__(self):
-        self.start = rss_bytes()
-        self.peak = self.start
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def _sample(self):
-        while not self._stop.wait(0.005):
-            self.peak = max(self.peak, rss_bytes())
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
 
 
 def save_checkpoint(folder: str, model_keys: dict) -> float:
@@ -109,17 +82,20 @@ def train_config(args, folder: str, data: str, checkpoints: str) -> dict:
 def timed_training(config: dict):
     """Run the training; -> (records, the trainer, load seconds, load peak RSS above its start, export seconds)."""
     from cpcompile.trainer import load_train_config, loop
+    from load_memory import MIB, Meter
 
     timings, built = {}, []
     load, export, build = loop.load_pretrained, loop.export_from_ranks, loop.build_trainer
 
     def timed_load(model, folder):
-        with PeakRSS() as rss:
-            start = time.perf_counter()
-            load(model, folder)
-            timings["load_s"] = time.perf_counter() - start
-        timings["load_rss_gib"] = (rss.peak - rss.start) / 2**30
-        timings["rss_before_load_gib"] = rss.start / 2**30
+        meter = Meter()  # load_memory.py's: resident memory sampled every millisecond
+        before = meter.reset()["VmRSS"]
+        start = time.perf_counter()
+        load(model, folder)
+        timings["load_s"] = time.perf_counter() - start
+        timings["load_rss_gib"] = (meter.peak()["VmRSS"] - before) * MIB / 2**30
+        timings["rss_before_load_gib"] = before * MIB / 2**30
+        meter.running = False
 
     def timed_export(*a, **k):
         start = time.perf_counter()
