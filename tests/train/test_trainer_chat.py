@@ -348,5 +348,5 @@ def test_a_packed_chat_run_at_cp_2_follows_the_run_without_a_plan(tmp_path, fold
     path = _write(tmp_path / "chat.jsonl", [_conversation(rng) for _ in range(8)])
     cp2 = run_distributed(_chat_run, 2, seed, path, folder, timeout=300)
     alone = run_distributed(_chat_run, 1, seed, path, folder, timeout=300)[0]
-    assert cp2[0] == cp2[1]
+    assert _close(cp2[0], cp2[1], 1e-12), cp2  # the ranks' loss agrees to rounding: each adds its own share
     assert _close(cp2[0][:1], alone[:1], STEP_1_RTOL) and _close(cp2[0], alone, 1e-6), (cp2[0], alone)
