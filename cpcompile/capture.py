@@ -1,8 +1,9 @@
 """Capture: find where attention cores run, record region inputs, trace regions.
 
 `probe_forward` runs the model once on an example batch and records, for every module
-the plan targets, the real inputs of its first call, and, for every SDPA call, the stack
-of modules it ran inside. `trace_region` then exports one module (non-strict
+the plan targets, the inputs of its first call (their shapes and dtypes are what matter: SDPA calls
+and GDN layers answer the probe with zeros), and, for every SDPA call, the stack of modules it
+ran inside. `trace_region` then exports one module (non-strict
 `torch.export`) from recorded inputs, through the forward its region adapter names (for SDPA
 the module class's own `forward`, so a module cpcompile already changed can be traced again).
 """
@@ -37,9 +38,17 @@ class _RecordSdpaCalls(TorchFunctionMode):
         self.stack, self.sites = stack, sites
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is F.scaled_dot_product_attention:
-            self.sites.append(("sdpa", tuple(self.stack)))
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention:
+            return func(*args, **kwargs)
+        self.sites.append(("sdpa", tuple(self.stack)))
+        # Answered with zeros, like the stubbed GDN layers: the probe needs the calls' sites and the
+        # regions' inputs, not attention values. Running it would cost the whole local attention at
+        # the probe's dtype: fp32 parameters with grouped KV heads send SDPA to its math kernel,
+        # whose [heads, S_local, S_local] scores are 512 GiB at 128K local tokens.
+        query = args[0] if args else kwargs["query"]
+        value = args[2] if len(args) > 2 else kwargs["value"]
+        return query.new_zeros(*query.shape[:-1], value.shape[-1])
 
 
 @contextmanager
