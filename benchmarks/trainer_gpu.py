@@ -90,7 +90,7 @@ def run_mode(args, loss: str, ac: str) -> dict:
 
     from cpcompile.trainer import dry_run, load_train_config
     from cpcompile.trainer.loop import build_trainer, memory_estimate
-    from cpcompile.trainer.metrics import format_step, summary
+    from cpcompile.trainer.metrics import format_step, summary, timed_steps, warmup_steps
     from cpcompile.trainer.parallelize import is_rank_zero
 
     train_config = load_train_config(config(args, loss, ac_setting(ac)))
@@ -113,9 +113,10 @@ def run_mode(args, loss: str, ac: str) -> dict:
         if is_rank_zero():
             print(format_step(records[-1], args.steps), flush=True)
     peak_flops = args.peak_tflops * 1e12 * args.cp
+    warmup = warmup_steps(train_config.train.layer_compile_backend(args.cp) is not None)
     if is_rank_zero():
-        print(summary(records, args.seq_len, per_token, peak_flops), flush=True)
-    timed = records[1:] or records
+        print(summary(records, args.seq_len, per_token, peak_flops, warmup), flush=True)
+    timed = timed_steps(records, warmup)
     seconds = sum(r["seconds"] for r in timed) / len(timed)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
     return {"loss": loss, "ac": ac, "tokens_per_s": args.seq_len / seconds, "seconds": seconds,

@@ -38,7 +38,7 @@ from .config import DTYPES, TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
 from .export import export_folder, export_from_ranks
-from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary
+from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary, warmup_steps
 from .progress import Progress
 from .startup import check_before_building
 from .weights import load_pretrained, materialize
@@ -228,8 +228,8 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     progress.at("start")
     use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing)
     apply_activation_checkpointing(model, settings.ac_mode)
-    if settings.layer_compile_backend:
-        compile_layers(model, settings.layer_compile_backend)
+    if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
+        compile_layers(model, backend)
     sharding = fsdp_mesh(mesh)
     apply_fsdp(model, sharding, settings)
     if on_meta:
@@ -317,7 +317,8 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
     if is_rank_zero():
         if settings.verify and records:
             log(f"verify: PASS: {_tolerance(settings)}, every step of {len(records)}")
-        log(summary(records, settings.batch_size * settings.seq_len))
+        log(summary(records, settings.batch_size * settings.seq_len,
+                    warmup=warmup_steps(settings.layer_compile_backend(config.plan.cp_size) is not None)))
     return records
 
 

@@ -70,13 +70,25 @@ class MetricsLog:
             self.handle.close()
 
 
+def warmup_steps(compiled: bool) -> int:
+    """Steps the summary leaves out of the throughput: the first (tracing, warm-up), and with
+    compiled layers the second too (`cpcompile.compiled` runs a new input signature eagerly once,
+    so that the CP regions trace; Dynamo compiles at the second call)."""
+    return 2 if compiled else 1
+
+
+def timed_steps(records: list[dict], warmup: int = 1) -> list[dict]:
+    """The steps after `warmup`; all of them when there are no more."""
+    return records[warmup:] or records
+
+
 def summary(records: list[dict], tokens_per_step: int, flops_per_token: float | None = None,
-            peak_flops: float | None = None) -> str:
-    """The final line: steps, first and last loss, mean throughput after the first step (which
-    traces, compiles and warms up), peak memory, and MFU when the peak FLOP/s is known."""
+            peak_flops: float | None = None, warmup: int = 1) -> str:
+    """The final line: steps, first and last loss, mean throughput after the `warmup` steps
+    (`warmup_steps`), peak memory, and MFU when the peak FLOP/s is known."""
     if not records:
         return "summary: no step ran"
-    timed = records[1:] or records
+    timed = timed_steps(records, warmup)
     seconds = sum(r["seconds"] for r in timed) / len(timed)
     text = (f"summary: {len(records)} steps  loss {records[0]['loss']:.6f} -> {records[-1]['loss']:.6f}  "
             f"{tokens_per_step / seconds:.0f} tok/s  {seconds:.3f} s/step (mean of steps {timed[0]['step']}.."

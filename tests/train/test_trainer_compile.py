@@ -33,14 +33,15 @@ def test_compiled_checkpointed_layers_follow_the_eager_run():
         assert result["graphs"] == LAYERS, result
 
 
-def test_compile_backend_null_is_the_device_default_and_eager_is_never_compiled(monkeypatch):
-    """`compile_backend: null` takes the device's default (eager everywhere for now); `eager` stays
-    eager when a default changes; any other name is the layers' backend."""
+def test_compile_backend_null_is_the_device_default_without_cp_and_eager_with_it():
+    """`compile_backend: null` takes the device's default at cp 1 (inductor on CUDA, eager on CPU) and
+    eager under CP; `eager` stays eager; any other name is the layers' backend, with CP too."""
     from cpcompile.trainer import config
 
-    def layers(backend, device="cpu"):
-        return config.TrainSettings(compile_backend=backend, device=device).validate().layer_compile_backend
+    def layers(backend, device="cpu", cp=1):
+        return config.TrainSettings(compile_backend=backend, device=device).validate().layer_compile_backend(cp)
 
     assert layers(None) is None and layers("eager") is None and layers("aot_eager") == "aot_eager"
-    monkeypatch.setitem(config.DEFAULT_COMPILE_BACKENDS, "cuda", "inductor")
-    assert layers(None, "cuda") == "inductor" and layers("eager", "cuda") is None and layers(None) is None
+    assert layers(None, "cuda") == "inductor" and layers("eager", "cuda") is None
+    assert layers(None, "cuda", cp=2) is None and layers("inductor", "cuda", cp=2) == "inductor"
+    assert layers("aot_eager", cp=4) == "aot_eager" and layers(None, cp=4) is None
