@@ -386,8 +386,12 @@ def gdn_fwd_output_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Per (value block, chunk, batch*head), from a plain state pass's per-chunk states/updates."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Per (value block, chunk, batch*head), from a plain state pass's per-chunk states/updates.
+    Value block and chunk share grid axis 0 (value block fastest, the order of a (V/BV, NT) grid):
+    axis 1 holds at most 65535 programs, 4M tokens of chunks."""
+    NV: tl.constexpr = V // BV
+    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_t = pid % NV, pid // NV
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
@@ -436,8 +440,11 @@ def gdn_p2p_output_kernel(
     group (``HS > 1``: one state dot per chunk buys HS times fewer stored and read states).
     """
     NS: tl.constexpr = K + V
+    NV: tl.constexpr = V // BV
     NG = (NT + HS - 1) // HS
-    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # value block and group share grid axis 0 (value block fastest), as in gdn_fwd_output_kernel
+    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_s = pid % NV, pid // NV
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     c0 = i_v * BV
