@@ -357,9 +357,13 @@ def test_unknown_backend_is_rejected():
         chunk_gated_delta_rule(x, x, x, torch.zeros(1, 4, 1), torch.zeros(1, 4, 1), backend="fla")
 
 
+def _meta(*shape):
+    return torch.zeros(*shape, device="meta", dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("case,capability", [
     ("head_dim", "head dim"), ("dtype", "dtype"), ("heads", "head count"), ("chunk", "chunk size"),
-    ("length", "length"),
+    ("length", "length"), ("long", "length"), ("grid", "grid"),
 ])
 def test_capability_errors_name_the_cause(case, capability):
     B, T, Hk, Hv, K, V = 1, 8, 1, 2, 16, 16
@@ -378,10 +382,25 @@ def test_capability_errors_name_the_cause(case, capability):
         kwargs["chunk_size"] = 32
     elif case == "length":
         q, v, g, beta = q[:, :0], v[:, :0], g[:, :0], beta[:, :0]
+    elif case in ("long", "grid"):
+        # long: one token past what 32-bit token indices hold (offsets are int64);
+        # grid: 32768 x 2 = 65536 batch x value-head programs, one more than grid axis 1 holds
+        B, T = (1, cap.MAX_T + 1) if case == "long" else (32768, T)
+        q, v, g = _meta(B, T, Hk, K), _meta(B, T, Hv, V), _meta(B, T, Hv)
+        beta = g
     k = q.clone() if case != "dtype" else q.float()
     with pytest.raises(GDNCapabilityError) as err:
         cap.check_inputs(q, k, v, g, beta, **kwargs)
     assert err.value.capability == capability and capability in str(err.value)
+
+
+def test_long_sequences_are_not_refused():
+    """Offsets that grow with B or T are int64: 8M tokens with 64 value heads of 128 (chunk states of
+    2^37 elements a batch row, past 32-bit offsets 64 times over) pass the checks, as do the longest T
+    32-bit token indices allow and 65535 batch x value-head programs. Metadata only (meta tensors)."""
+    for B, T, Hk, Hv, K in ((1, 8 * 1024 ** 2, 16, 64, 128), (1, cap.MAX_T, 1, 2, 16), (13107, 64, 1, 5, 16)):
+        q, v, g = _meta(B, T, Hk, K), _meta(B, T, Hv, K), _meta(B, T, Hv)
+        cap.check_inputs(q, q, v, g, g)
 
 
 def test_cpu_without_interpreter_is_rejected(monkeypatch):

@@ -7,7 +7,9 @@ Supported:
 - dtypes: q, k, v, beta in bf16 or fp32 (one dtype for q, k, v); g any float dtype (read as fp32);
   initial state / state gradients fp32-castable;
 - head dims: K and V in {16, 32, 64, 128}; value heads a multiple of key heads;
-- chunk size 64; any length T >= 1 (a partial last chunk is masked).
+- chunk size 64; any length 1 <= T < 2^31 - 64 (a partial last chunk is masked): every offset that
+  grows with B or T is int64, so memory is the limit;
+- batch x value heads at most 65535 (grid axis 1).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MIN_CUDA_CC = (8, 0)
 MIN_TRITON_ASCEND = (3, 2, 1)
+MAX_GRID_YZ = 65535  # programs along grid axis 1 or 2 (CUDA); axis 0 holds 2^31 - 1
+MAX_T = 2**31 - 1 - CHUNK_SIZE  # the last chunk's row indices (i_t * 64 + 0..63) stay int32
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -115,10 +119,13 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     devices = {t.device for t in (q, k, v, g, beta, initial_state) if t is not None}
     if len(devices) != 1:
         raise GDNCapabilityError("device", f"all inputs must be on one device; got {sorted(map(str, devices))}")
-    n_chunks = (T + chunk_size - 1) // chunk_size
-    if n_chunks * Hv * K * (K + V) >= 2**31:
-        # chunk-state buffers are indexed with 32-bit offsets inside one batch row
-        raise GDNCapabilityError("length", f"T={T} with {Hv} value heads overflows 32-bit chunk-state offsets")
+    if B * Hv > MAX_GRID_YZ:
+        # the per-head kernels put batch x value head on grid axis 1, which CUDA caps
+        raise GDNCapabilityError("grid", f"B*Hv = {B}*{Hv} = {B * Hv} programs on one grid axis; at most "
+                                 f"{MAX_GRID_YZ} (CUDA's limit on grid axes 1 and 2)")
+    if T > MAX_T:
+        # offsets are int64 wherever they grow with B or T; token indices themselves are int32
+        raise GDNCapabilityError("length", f"T={T}; token indices are 32-bit: at most {MAX_T}")
 
 
 def check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,

@@ -108,15 +108,22 @@ def _chunk_cumsum(x, BT: tl.constexpr, REVERSE: tl.constexpr):
 
 
 @triton.jit
+def _row_off(i_b, i_t, T, H, BT: tl.constexpr):
+    """Offset of the chunk's first token (row ``i_t * BT`` of batch ``i_b``) in a ``[B, T, H]`` tensor,
+    in int64 like every offset that grows with B or T; the chunk's own rows add at most ``(BT-1) * H``."""
+    return (i_b.to(tl.int64) * T + i_t * BT) * H
+
+
+@triton.jit
 def _chunk_gates(gc_ptr, i_b, i_h, i_t, T, Hv: tl.constexpr, BT: tl.constexpr):
     """(gc of the chunk [BT] (rows past T take gl), gl = gc at the chunk's last valid row, row mask)."""
-    o_t = i_t * BT + tl.arange(0, BT)
-    m_t = o_t < T
-    base = gc_ptr + i_b.to(tl.int64) * T * Hv + i_h
-    last = tl.minimum(i_t * BT + BT, T) - 1
+    o_i = tl.arange(0, BT)
+    m_t = i_t * BT + o_i < T
+    base = gc_ptr + _row_off(i_b, i_t, T, Hv, BT) + i_h
+    last = tl.minimum(BT, T - i_t * BT) - 1
     b_gl = tl.load(base + last * Hv)
     # rows past T behave as padding with g = 0: keeps every exp(gc_i - gc_j) with i >= j at most 1
-    b_gc = tl.load(base + o_t * Hv, mask=m_t, other=0.0)
+    b_gc = tl.load(base + o_i * Hv, mask=m_t, other=0.0)
     b_gc = tl.where(m_t, b_gc, b_gl)
     return b_gc, b_gl, m_t
 
@@ -200,9 +207,8 @@ def gdn_fwd_prepare_kernel(
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
+    m_t = i_t * BT + o_i < T
+    row = _row_off(i_b, i_t, T, Hv, BT) + i_h + o_i * Hv
 
     b_g = tl.load(g + row, mask=m_t, other=0.0).to(tl.float32)
     b_gc = _chunk_cumsum(b_g, BT, False)
@@ -245,7 +251,8 @@ def _fwd_state_loop(k, w, u, gc, vnbuf, st_base, b_h, T, c_begin, c_end, i_b, i_
     for i_t in range(c_begin, c_end):
         if STORE_H:
             if i_t % HS == 0:
-                p_hs = _mat_ptr(st_base + (i_t // HS) * (Hv * K * NS), NS, col0, K, BV)
+                # int64: (chunks / HS) * Hv * K * NS passes 2^31 at 512K tokens (Hv 16, K = NS = 128)
+                p_hs = _mat_ptr(st_base + tl.cast(i_t // HS, tl.int64) * (Hv * K * NS), NS, col0, K, BV)
                 tl.store(p_hs, b_h.to(st_base.dtype.element_ty))
         b_w = _tok_load(w, i_b, i_h, T, Hv, K, i_t, 0, BT, K)
         b_vn = -_mm(b_w, b_h.to(b_w.dtype), PREC, UPCAST)
@@ -379,8 +386,12 @@ def gdn_fwd_output_kernel(
     Hk: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BV: tl.constexpr, PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """Per (value block, chunk, batch*head), from a plain state pass's per-chunk states/updates."""
-    i_v, i_t, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Per (value block, chunk, batch*head), from a plain state pass's per-chunk states/updates.
+    Value block and chunk share grid axis 0 (value block fastest, the order of a (V/BV, NT) grid):
+    axis 1 holds at most 65535 programs, 4M tokens of chunks."""
+    NV: tl.constexpr = V // BV
+    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_t = pid % NV, pid // NV
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     b_q = _tok_load(q, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
@@ -429,8 +440,11 @@ def gdn_p2p_output_kernel(
     group (``HS > 1``: one state dot per chunk buys HS times fewer stored and read states).
     """
     NS: tl.constexpr = K + V
+    NV: tl.constexpr = V // BV
     NG = (NT + HS - 1) // HS
-    i_v, i_s, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # value block and group share grid axis 0 (value block fastest), as in gdn_fwd_output_kernel
+    pid, i_bh = tl.program_id(0), tl.program_id(1)
+    i_v, i_s = pid % NV, pid // NV
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     c0 = i_v * BV
@@ -486,7 +500,8 @@ def _bwd_state_loop(q, k, w, gc, do, dvl, dvnbuf, st_base, b_dh, scale, T, NT, i
     for i_r in range(NT):
         i_t = NT - 1 - i_r
         if STORE:
-            p_s = _mat_ptr(st_base + i_t * (Hv * K * NS), NS, col0, K, BV)
+            # int64: chunks * Hv * K * NS passes 2^31 at 512K tokens (Hv 16, K = NS = 128)
+            p_s = _mat_ptr(st_base + tl.cast(i_t, tl.int64) * (Hv * K * NS), NS, col0, K, BV)
             tl.store(p_s, b_dh.to(st_base.dtype.element_ty))
         b_gc, b_gl, m_t = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
         b_k = _tok_load(k, i_b, i_hk, T, Hk, K, i_t, 0, BT, K)
@@ -626,8 +641,7 @@ def gdn_bwd_inter_kernel(
     _tok_store(dq_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dq.to(dq_out.dtype.element_ty))
     _tok_store(dk_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, b_dk)
     _tok_store(dw_out, i_b, i_h, T, Hv, K, i_t, 0, BT, K, (-b_dw).to(dw_out.dtype.element_ty))
-    o_t = i_t * BT + o_i
-    tl.store(dgc_out + i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h, b_dgc, mask=m_t)
+    tl.store(dgc_out + _row_off(i_b, i_t, T, Hv, BT) + i_h + o_i * Hv, b_dgc, mask=m_t)
 
 
 @triton.jit
@@ -650,9 +664,8 @@ def gdn_bwd_wy_kernel(
     i_b, i_h = i_bh // Hv, i_bh % Hv
     i_hk = i_h // (Hv // Hk)
     o_i = tl.arange(0, BT)
-    o_t = i_t * BT + o_i
-    m_t = o_t < T
-    row = i_b.to(tl.int64) * T * Hv + o_t * Hv + i_h
+    m_t = i_t * BT + o_i < T
+    row = _row_off(i_b, i_t, T, Hv, BT) + i_h + o_i * Hv
     dt = k.dtype.element_ty
     b_beta = tl.load(beta + row, mask=m_t, other=0.0).to(tl.float32)
     b_gc, _, _ = _chunk_gates(gc, i_b, i_h, i_t, T, Hv, BT)
@@ -715,11 +728,12 @@ def gdn_bwd_qk_finish_kernel(q, k, dqv, dkv, q_rstd, k_rstd, dq_out, dk_out, N,
     ``L2NORM``, through the q/k L2 norm (``q``/``k`` the normalised inputs, ``*_rstd`` their rstd:
     ``dx = r (dy - y (y . dy))``), in fp32 before the one store in the output dtype."""
     G: tl.constexpr = Hv // Hk
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    # int64 rows: N = B * T * Hk rows of K (or of Hv / Hk value heads of K) pass 2^31 elements
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)
     m = (rows < N)[:, None]
     cols = tl.arange(0, K)[None, :]
-    vrows = (rows // Hk).to(tl.int64) * Hv + (rows % Hk) * G  # first value head of each row's key head
-    off = rows.to(tl.int64)[:, None] * K + cols
+    vrows = (rows // Hk) * Hv + (rows % Hk) * G  # first value head of each row's key head
+    off = rows[:, None] * K + cols
     for which in tl.static_range(2):
         src = dqv if which == 0 else dkv
         b_d = tl.full([BR, K], 0.0, tl.float32)
@@ -739,9 +753,9 @@ def gdn_bwd_qk_finish_kernel(q, k, dqv, dkv, q_rstd, k_rstd, dq_out, dk_out, N,
 @triton.jit
 def gdn_l2norm_fwd_kernel(x, y, rstd, N, eps, D: tl.constexpr, BR: tl.constexpr):
     """Rows of ``x [N, D]``: ``y = x * rsqrt(sum(x^2) + eps)`` (in x's dtype), ``rstd`` fp32 [N]."""
-    rows = tl.program_id(0) * BR + tl.arange(0, BR)
+    rows = tl.program_id(0).to(tl.int64) * BR + tl.arange(0, BR)  # int64: N * D passes 2^31
     m = rows < N
-    off = rows.to(tl.int64)[:, None] * D + tl.arange(0, D)[None, :]
+    off = rows[:, None] * D + tl.arange(0, D)[None, :]
     b_x = tl.load(x + off, mask=m[:, None], other=0.0).to(tl.float32)
     b_r = tl.rsqrt(_rsum(b_x * b_x, axis=1) + eps)
     tl.store(y + off, (b_x * b_r[:, None]).to(y.dtype.element_ty), mask=m[:, None])

@@ -131,7 +131,7 @@ OUTPUT_BV = 64
 # Triton 3.6 on an H200; the interpreter gives the right result), so keep it >= 64 at K = 128.
 # P2P_HSTRIDE None: ``p2p_hstride`` picks the stride per call; an int fixes it (tests, benchmarks).
 P2P_HSTRIDE: int | None = None
-# The output kernel fits two programs per SM (registers); its grid is (V/BV, groups, B*Hv).
+# The output kernel fits two programs per SM (registers); its grid is (V/BV * groups, B*Hv).
 P2P_OUTPUT_PROGRAMS_PER_SM = 2
 P2P_HSTRIDE_RANGE = (16, 256)
 P2P_OUTPUT_BV = 64
@@ -246,7 +246,7 @@ def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, sc
     Hv, V = gc.shape[2], vnbuf.shape[-1]
     NT, BV = triton_cdiv(T, CHUNK_SIZE), _output_bv(V)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
-    _launch(_k.gdn_fwd_output_kernel, (V // BV, NT, B * Hv),
+    _launch(_k.gdn_fwd_output_kernel, (V // BV * NT, B * Hv),
         q, k, gc, hbuf, vnbuf, o, scale, T, NT,
         Hk=Hk, Hv=Hv, K=K, V=V, BT=CHUNK_SIZE, BV=BV, num_warps=NUM_WARPS["output"], **_flags(q.dtype))
     return o
@@ -265,7 +265,7 @@ def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Ten
                          f"the output's stride is {HS} chunks: summary and output must run with the same setting")
     BV = _p2p_output_bv(V, q.dtype)
     o = torch.empty(B, T, Hv, V, device=q.device, dtype=q.dtype)
-    _launch(_k.gdn_p2p_output_kernel, (V // BV, triton_cdiv(NT, HS), B * Hv),
+    _launch(_k.gdn_p2p_output_kernel, (V // BV * triton_cdiv(NT, HS), B * Hv),
         q, k, w, u, gc, hbuf, h_in, o, scale, T, NT, Hk=Hk, Hv=Hv, K=K, V=V, HS=HS, BT=CHUNK_SIZE, BV=BV,
         num_warps=NUM_WARPS["p2p_output"], num_stages=_stages("p2p_output", q.dtype), **_flags(q.dtype))
     return o
