@@ -2,9 +2,10 @@
 
 The chunk-state buffers hold ``ceil(T/64) * Hv * K * NS`` elements a batch row: with 16 value heads
 of K = V = 128 the plain path's pass 2^31 at 512K tokens, State-P2P's ``[P | h0]`` states (NS = K + V)
-at 256K with one stored state a chunk. Their offsets are int64; these tests run there, and past 4M
-tokens, where the output kernels' chunks (State-P2P: groups) outgrow a grid axis of 65535 (they share
-axis 0 with the value blocks).
+at 256K with one stored state a chunk. Their offsets are int64; these tests run there (on one H200,
+2026-12-02: 288K and 576K chained, State-P2P at 288K, all passed). Past 65535 chunks (4M tokens) the
+kernels are refused (capability.MAX_CHUNKS): a 4M-token run with small heads hit an illegal memory
+access on the H200, cause not found yet.
 
 No oracle runs at these lengths (the float64 eager core would need hundreds of GiB); the check is an
 exact decomposition instead. A sequence split at a chunk boundary is the first half's run chained into
@@ -134,13 +135,6 @@ def test_gpu_long_sequence_is_the_chain_of_its_halves(T):
     _check_chain_of_halves(T)
 
 
-@gpu
-@needs_cuda
-def test_gpu_more_chunks_than_a_grid_axis_holds():
-    """65601 chunks (4M tokens), more than grid axes 1 and 2 hold: small heads keep it to ~1 GB."""
-    _check_chain_of_halves(4 * 1024 ** 2 + 4096 + 37, dims=(1, 2, 16, 16))
-
-
 def _check_p2p_against_plain(monkeypatch, T, dims=DIMS, device="cuda"):
     """State-P2P's forward with one stored ``[P | h0]`` state a chunk (``P2P_HSTRIDE = 1``, one group a
     chunk): output and ``M H_in + S`` against the plain forward from the same incoming state."""
@@ -171,8 +165,6 @@ def test_p2p_against_plain_check_in_the_interpreter(monkeypatch):
 @pytest.mark.parametrize("T,dims", [
     # the summary's states ([NT, Hv, K, K + V] = 2.4e9 elements) pass 2^31
     pytest.param(288 * 1024 + 37, DIMS, id="288K"),
-    # 65601 groups, more than grid axes 1 and 2 hold (they share axis 0 with the value blocks)
-    pytest.param(4 * 1024 ** 2 + 4096 + 37, (1, 2, 16, 16), id="4M-small-heads"),
 ])
 def test_gpu_p2p_forward_one_group_a_chunk(monkeypatch, T, dims):
     _check_p2p_against_plain(monkeypatch, T, dims)

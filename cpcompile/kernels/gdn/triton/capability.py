@@ -28,7 +28,11 @@ SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MIN_CUDA_CC = (8, 0)
 MIN_TRITON_ASCEND = (3, 2, 1)
 MAX_GRID_YZ = 65535  # programs along grid axis 1 or 2 (CUDA); axis 0 holds 2^31 - 1
-MAX_T = 2**31 - 1 - CHUNK_SIZE  # the last chunk's row indices (i_t * 64 + 0..63) stay int32
+# Chunks a sequence may have: what has run on a GPU. Offsets are int64 and the output kernels keep
+# chunks on grid axis 0, but a 4M-token run (65601 chunks) hit an illegal memory access on an H200
+# (2026-12-02, tests/kernels/test_gdn_triton_long.py) whose cause is not found yet: refuse past it.
+MAX_CHUNKS = 65535
+MAX_T = MAX_CHUNKS * CHUNK_SIZE  # 4,194,240 tokens a sequence
 
 
 def _version_tuple(text: str) -> tuple[int, ...]:
@@ -124,8 +128,8 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise GDNCapabilityError("grid", f"B*Hv = {B}*{Hv} = {B * Hv} programs on one grid axis; at most "
                                  f"{MAX_GRID_YZ} (CUDA's limit on grid axes 1 and 2)")
     if T > MAX_T:
-        # offsets are int64 wherever they grow with B or T; token indices themselves are int32
-        raise GDNCapabilityError("length", f"T={T}; token indices are 32-bit: at most {MAX_T}")
+        raise GDNCapabilityError("length", f"T={T} is {-(-T // CHUNK_SIZE)} chunks of {CHUNK_SIZE}; at most "
+                                 f"{MAX_CHUNKS} ({MAX_T} tokens) have run on a GPU: longer sequences failed there")
 
 
 def check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
