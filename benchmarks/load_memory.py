@@ -3,12 +3,14 @@
     OMP_NUM_THREADS=1 python benchmarks/load_memory.py [--hidden 1024] [--layers 12] [--vocab 32000] [--out FILE]
 
 A Qwen3 of ~220M parameters (the defaults) is built from its config with random weights and
-written by `save_pretrained` (float32, one safetensors file) into a temporary folder. Then two
-ranks build the trainer on it, each in a fresh process:
-- dp_shard 2, cp 1: no CP rewrite, so the model is built with its parameters on the meta device,
-  sharded by FSDP2, and each rank loads its half from the file (`trainer/weights.py`);
-- cp 2 (dp_shard 1, SDPA AllGather): the CP rewrite's probe forward needs the real model, so each
-  rank builds it whole (random weights) before FSDP2 shards it over dp_shard x cp = 2; then loads.
+written by `save_pretrained` (float32, one safetensors file) into a temporary folder. Then the
+trainer is built on it, each rank in a fresh process, with the model's parameters on the meta
+device (`trainer/weights.py`), sharded by FSDP2 over every rank, each rank loading its shard
+from the file:
+- dp_shard 2, cp 1 (2 ranks): no CP rewrite;
+- cp 2 (dp_shard 1, SDPA AllGather; 2 ranks): the CP rewrite runs first, its probe forward and
+  traces on fake parameters (`cpcompile/meta_params.py`), so a rank holds no more than at cp 1;
+- dp_shard 2 x cp 2 (4 ranks): the same with quarter shards.
 
 Per rank, from `/proc/self/status` (sampled every millisecond; the whole RSS also from the
 kernel's own peak, VmHWM, reset through /proc/self/clear_refs where allowed): the anonymous
@@ -210,7 +212,8 @@ def main() -> None:
         full_mib = params * 4 / MIB
         rows = {"from_pretrained, 1 process": measure_from_pretrained(folder),
                 "trainer dp_shard 2, cp 1 (meta build)": measure(train_config(folder, 1, 2), 2),
-                "trainer cp 2 (whole build for the CP probe)": measure(train_config(folder, 2, 1), 2)}
+                "trainer cp 2 (meta build, CP rewrite on fake parameters)": measure(train_config(folder, 2, 1), 2),
+                "trainer dp_shard 2 x cp 2 (meta build, CP rewrite)": measure(train_config(folder, 2, 2), 4)}
     date = _dt.date.today().isoformat()
     text = (f"# Host memory of a rank loading pretrained weights — {date}\n\n"
             f"Qwen3, {params / 1e6:.0f}M parameters (hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}), "

@@ -24,6 +24,7 @@ from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
 from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
 from .finite import FiniteGuard, check_finite_enabled
+from .meta_params import example_device, fake_parameters, has_meta_parameters
 from .methods import method_spec, region_for
 from .methods.local_compute import LOCAL_CORE
 from .passes import run_passes
@@ -60,6 +61,10 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     left as they were (sub-groups a method needs may already have been created; the probe
     forward runs without gradients on a forked random stream).
 
+    The model's parameters may be on the meta device (built to be sharded, then loaded): the
+    probe and the traces then run on fake parameters on the example's device, and the model is
+    left with its meta parameters (`meta_params.py`); pass `example_inputs` on that device.
+
     `trace_cache_size`: rewritten graphs each region keeps, one per input signature, least
     recently used dropped first (default `CPCOMPILE_TRACE_CACHE_SIZE`, else 8); docs/batch.md
     says how to keep the number of sequence lengths small.
@@ -94,15 +99,16 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
     refuse_router_aux_loss(model)
     try:
-        with rope_state_kept(rotaries):
-            probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
-        check_coverage(targets, probe.core_sites, dict(model.named_modules()), attention_hint(model))
-        check_mixers(probe)
-        for target in targets:
-            args, kwargs = probe.inputs[target.fqn]
-            installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
-            signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
-            installs.append(installed)
+        with parameters_for_compile(model, example):
+            with rope_state_kept(rotaries):
+                probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
+            check_coverage(targets, probe.core_sites, dict(model.named_modules()), attention_hint(model))
+            check_mixers(probe)
+            for target in targets:
+                args, kwargs = probe.inputs[target.fqn]
+                installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
+                signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
+                installs.append(installed)
         failure = None
     except Exception as exc:  # noqa: BLE001 -- re-raised below, on every rank, once the group agreed
         failure = exc
@@ -124,6 +130,14 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     install_layout_guard(model, guard, documents)
     hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents], documents)
     return model
+
+
+def parameters_for_compile(model: nn.Module, example: Any):
+    """A model whose parameters are on the meta device (built for a sharded load) is probed and
+    traced with fake parameters on the example's device (`meta_params.py`); any other as it is."""
+    if not has_meta_parameters(model):
+        return contextlib.nullcontext()
+    return fake_parameters(model, example_device(example))
 
 
 def hand_documents_to_layers(model: nn.Module, fqns: list[str], documents: DocumentFeed) -> None:

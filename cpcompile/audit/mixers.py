@@ -17,6 +17,11 @@ flattened tokens `[B·S_local, ...]` — the hidden states of a Hugging Face mod
 loss) are not compared. Ops a module holding a region runs itself, outside any submodule, are not
 seen (a decoder layer that shifts tokens inline). At one local token there is no other position
 to watch: the audit is skipped and `compile` logs a warning (compile with a longer example).
+
+On a model compiled from the meta device (`meta_params.py`) the probe's hidden states are fake:
+a module the audit calls runs on seeded random stand-ins for its fake inputs and its own
+parameters. Whether a module mixes positions is a property of its code, which any generic
+weights show; a module reading another module's parameters is refused (`UnsupportedError`).
 """
 from __future__ import annotations
 
@@ -27,6 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from ..meta_params import is_fake, real_stand_ins, refuse_fake_output
 
 log = logging.getLogger("cpcompile")
 
@@ -182,17 +189,27 @@ def replayed_rng(state: tuple):
 def audit_module(module: nn.Module, fqn: str, args: tuple, kwargs: dict, output, state: tuple,
                  tokens: TokenBatch) -> list[Mixer]:
     """[] when `module` is position-wise on this call; else the chain of mixing modules from it to
-    the innermost mixing module it calls."""
+    the innermost mixing module it calls.
+
+    On a model whose parameters are fake (compiled from the meta device, `meta_params.py`), the
+    module runs on random stand-ins for its fake inputs and parameters (only when it has a
+    token input to change: an embedding, called with token ids alone, is never given values)."""
     position = tokens.length // 2  # the middle token: a mixer looking back or forward moves a neighbour
-    perturbed, touched = perturb(args, kwargs, tokens, position)
-    if not touched:
+    if not any(token_axis(leaf, tokens) is not None for leaf in pytree.tree_leaves((args, kwargs))):
         return []
-    with replayed_rng(state):
-        moved_output = module(*perturbed[0], **perturbed[1])
-    moved = moved_tokens(output, moved_output, tokens, position)
-    if moved is None:
-        return []
-    return [Mixer(fqn, type(module).__name__, moved)] + innermost(module, fqn, args, kwargs, state, tokens)
+    with real_stand_ins(module, fqn, args, kwargs) as (args, kwargs):
+        if any(is_fake(leaf) for leaf in pytree.tree_leaves(output)):  # the probe's call ran on fake parameters
+            with replayed_rng(state):
+                output = module(*args, **kwargs)
+            refuse_fake_output(fqn, output)
+        perturbed, _ = perturb(args, kwargs, tokens, position)
+        with replayed_rng(state):
+            moved_output = module(*perturbed[0], **perturbed[1])
+        refuse_fake_output(fqn, moved_output)
+        moved = moved_tokens(output, moved_output, tokens, position)
+        if moved is None:
+            return []
+        return [Mixer(fqn, type(module).__name__, moved)] + innermost(module, fqn, args, kwargs, state, tokens)
 
 
 def innermost(module: nn.Module, fqn: str, args: tuple, kwargs: dict, state: tuple,
@@ -230,6 +247,12 @@ def innermost(module: nn.Module, fqn: str, args: tuple, kwargs: dict, state: tup
     return []
 
 
+def token_axis(leaf, tokens: TokenBatch) -> int | None:
+    """The token axis of a floating-point tensor input laid out by tokens, else None: the inputs
+    the audit changes."""
+    return tokens.axis(leaf) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else None
+
+
 def perturb(args: tuple, kwargs: dict, tokens: TokenBatch, position: int) -> tuple[tuple[tuple, dict], bool]:
     """The call with token `position` of row 0 changed in every floating-point input laid out by
     tokens, and whether any input was."""
@@ -238,7 +261,7 @@ def perturb(args: tuple, kwargs: dict, tokens: TokenBatch, position: int) -> tup
     touched = False
     changed = []
     for leaf in leaves:
-        axis = tokens.axis(leaf) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() else None
+        axis = token_axis(leaf, tokens)
         if axis is None:
             changed.append(leaf)
             continue

@@ -142,7 +142,8 @@ def check_forward_only_applies_the_head(model: nn.Module, head: nn.Linear, softc
             raise PlanError("train.loss", f"chunked: could not check what {name}.forward does after its base model "
                                           f"({type(exc).__name__}: {exc}); set train.loss: full") from exc
         with torch.no_grad():
-            expected = _capped(hidden.double() @ head.weight.double().t(), softcap)
+            dtype = _check_dtype(head.weight)
+            expected = _capped(hidden.to(dtype) @ head.weight.detach().to(dtype).t(), softcap).double()
     if logits is None or logits.shape != expected.shape or \
             (logits.double() - expected).abs().max() > 1e-2 * expected.abs().max():
         does = f"soft-caps them at {softcap} and " if softcap is not None else ""
@@ -172,11 +173,19 @@ def _check_hidden_states(weight: torch.Tensor, softcap: float | None) -> torch.T
     scaled so that the largest logit is `CHECK_LOGIT_SCALE` soft-caps (or units) large."""
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, 4, weight.shape[1], generator=generator, dtype=torch.float64)
+    dtype = _check_dtype(weight)
     with torch.no_grad():
-        largest = (hidden @ weight.detach().double().cpu().t()).abs().max()
+        largest = (hidden.to(device=weight.device, dtype=dtype) @ weight.detach().to(dtype).t()).abs().max().item()
     if largest > 0:
         hidden *= CHECK_LOGIT_SCALE * (softcap or 1.0) / largest
     return hidden.to(device=weight.device, dtype=weight.dtype)
+
+
+def _check_dtype(weight: torch.Tensor) -> torch.dtype:
+    """What the check multiplies by the head's weight in: its dtype, at least float32, where it is.
+    Not a float64 copy: the head is vocabulary x hidden, on a model built on the meta device a
+    random stand-in (`_real_head_weight`), and the check's tolerance (1e-2) needs no more."""
+    return torch.promote_types(weight.dtype, torch.float32)
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:

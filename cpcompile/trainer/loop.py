@@ -202,12 +202,14 @@ def _reference_step(reference: tuple, batch: dict) -> float:
 
 def build_trainer(config: TrainConfig, progress: Progress | None = None, load_weights: bool = True) -> Trainer:
     """Build this rank's trainer. With `model.path` pretrained weights and `load_weights` (false
-    when a checkpoint will overwrite them, and for a dry run), they are loaded last, into the
-    parallelized model (weights.py)."""
+    when a checkpoint will overwrite them, and for a dry run), the model is built with its
+    parameters on the meta device, so that no rank holds it whole, and they are loaded last,
+    into the parallelized model's shards (weights.py)."""
     settings = config.train
     pretrained = pretrained_folder(config.model) if load_weights else None
-    # the CP rewrite runs a probe forward on the real model: only without one can it stay on meta
-    on_meta = pretrained is not None and not config.plan.active_overrides()
+    # pretrained weights: no rank builds the whole model; the CP rewrite probes and traces it with
+    # fake parameters (cpcompile/meta_params.py), FSDP2 shards it, the load fills the shards
+    on_meta = pretrained is not None
     progress = progress or Progress(settings.collective_timeout_s)
     check_world_size(config.plan)
     progress.at("start")

@@ -9,8 +9,10 @@ activation checkpointing, `torch.compile`, FSDP2.
   replicated parameter applied to the local heads (Qwen3's q_norm, k_norm) gets its full
   gradient only there.
 - **CP** (`cpcompile.compile`): the plan's regions are rewritten in place on the full,
-  unsharded model, from a probe forward on the first batch. Each rewritten region reads its
-  parameters from the live module at call time, so FSDP2 may shard them afterwards.
+  unsharded model, from a probe forward on the first batch (with pretrained weights the model's
+  parameters are still on the meta device: compile probes and traces it with fake ones).
+  Each rewritten region reads its parameters from the live module at call time, so FSDP2 may
+  shard them afterwards.
 - **Activation checkpointing** (checkpointing.py): the decoder layers `train.activation_checkpointing`
   picks (all, every k-th, or all with the `selective` op policy) run under
   `torch.utils.checkpoint` (non-reentrant). The recompute replays the layer's forward, so the
@@ -67,8 +69,10 @@ def build_model(raw_model_config: dict, settings: TrainSettings, parameters_on_m
     if parameters_on_meta:
         with weights.parameters_on_meta():
             model = transformers.AutoModelForCausalLM.from_config(config)
-        # the buffers as the real build has them; FSDP2 moves them to the device
-        return model.to(dtype=DTYPES[settings.dtype])
+        # the buffers as the real build has them, on the device the CP rewrite's probe runs on
+        model.to(dtype=DTYPES[settings.dtype])
+        weights.buffers_to(model, settings.device)
+        return model
     model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(device=settings.device, dtype=DTYPES[settings.dtype])
 

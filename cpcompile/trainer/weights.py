@@ -7,10 +7,12 @@ slices of the tensors it owns, through PyTorch DCP's `HuggingFaceStorageReader` 
 `get_slice` under DCP's load planner, which knows the FSDP2 / TP DTensor layouts). No rank reads
 a whole tensor it does not own.
 
-The model is built on the meta device where nothing needs its values before the load: without
-a CP rewrite (no active plan override: cp_size 1), whose probe forward runs the real model. Its
-parameters then exist only as FSDP2 shards, materialised empty and filled from the files; its
-buffers (rotary `inv_freq`, not in the files) are built for real, as for random weights.
+The model is built with its parameters on the meta device (`parameters_on_meta`), so that no
+rank ever holds the whole model: they exist only as FSDP2 shards, materialised empty and filled
+from the files. Nothing before the load needs their values: the CP rewrite (cp_size > 1) probes
+and traces the model with fake parameters in their place (cpcompile/meta_params.py), TP and
+FSDP2 shard meta tensors. Its buffers (rotary `inv_freq`, not in the files) are built for real,
+as for random weights, on the run's device (the CP rewrite's probe computes from them).
 
 What is checked, from the files' headers and the model's names and shapes (before any process
 starts, and again at the load), each a `PlanError` on `model.path` naming the file and tensor:
@@ -207,6 +209,15 @@ def parameters_on_meta():
         yield
     finally:
         torch.nn.Module.register_parameter = register
+
+
+def buffers_to(model: torch.nn.Module, device: str) -> None:
+    """Move the buffers of a model built by `parameters_on_meta` to `device`, its parameters left
+    on meta (`Module.to` would move those too, and a meta tensor has nothing to copy)."""
+    for module in model.modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[name] = buffer.to(device)
 
 
 def materialize(model: torch.nn.Module, device: str) -> None:

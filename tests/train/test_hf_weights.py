@@ -1,11 +1,12 @@
 """Pretrained Hugging Face weights in (`model.path`), a Hugging Face folder out (`cpcompile
 export`, `checkpoint.export: true`): real gloo runs, float32, fresh random weights each session.
 
-- Loaded into the parallelized model (FSDP2; cp 1 built on the meta device, cp 2 rewritten by CP
-  first), the first step's loss is `from_pretrained`'s on the same batch within 1e-6: tiny
-  Qwen3.5 (GDN and full-attention layers, one file or 7 shards with an index; and the
-  vision-language checkpoint's `model.language_model.*` into the text model) and Qwen3 (tied
-  embeddings, no `lm_head.weight` in the file; also a bfloat16 file into the float32 run).
+- Loaded into the parallelized model (built on the meta device, cp 2 rewritten by CP on fake
+  parameters first, then FSDP2; test_meta_build.py checks the build), the first step's loss is
+  `from_pretrained`'s on the same batch within 1e-6: tiny Qwen3.5 (GDN and full-attention
+  layers, one file or 7 shards with an index; and the vision-language checkpoint's
+  `model.language_model.*` into the text model) and Qwen3 (tied embeddings, no `lm_head.weight`
+  in the file; also a bfloat16 file into the float32 run).
 - Fine-tuned the way a user would (a tokenizer folder built offline, chat data rendered by its
   template, loss on the assistant's tokens) at dp_shard 2 x cp 2: the first step's loss is
   `from_pretrained`'s on the same rows, and after 5 steps and the export, `from_pretrained` gives
@@ -53,7 +54,7 @@ def _first_losses(rank: int, world: int, configs: dict) -> dict:
     return {name: build_trainer(load_train_config(config)).step(0)["loss"] for name, config in configs.items()}
 
 
-# (folder, model, cp, dp_shard) on 2 ranks: cp 1 builds on the meta device, cp 2 runs the CP probe first
+# (folder, model, cp, dp_shard) on 2 ranks: all built on the meta device, cp 2 rewritten by CP first
 LOADS = {"qwen3_5_cp1": ("qwen3_5", "qwen3_5", 1, 2), "qwen3_5_cp2": ("qwen3_5", "qwen3_5", 2, 1),
          "qwen3_5_sharded_cp1": ("qwen3_5_sharded", "qwen3_5", 1, 2), "qwen3_cp1": ("qwen3", "qwen3", 1, 2),
          "qwen3_cp2": ("qwen3", "qwen3", 2, 1), "qwen3_5_vl_cp1": ("qwen3_5_vl", "qwen3_5_vl", 1, 2),
@@ -195,8 +196,8 @@ def test_a_run_starts_from_the_export(trained):
 
 
 def test_parameters_on_meta_keep_the_buffers_as_built(folders):
-    """The meta build (cp 1 with pretrained weights): no parameter storage, and the rotary buffers
-    (in no file) equal to the real build's."""
+    """The meta build (pretrained weights): no parameter storage, and the rotary buffers (in no
+    file) equal to the real build's, on the run's device."""
     from cpcompile.trainer import load_train_config
     from cpcompile.trainer.parallelize import build_model
 
