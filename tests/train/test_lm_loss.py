@@ -55,18 +55,37 @@ def _full_loss(inputs, targets):
     return loss
 
 
-@pytest.mark.parametrize("dtype, rtol", [(torch.float64, 1e-12), (torch.float32, 1e-6)])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_loss_and_every_gradient_equal_the_models_own_logits(name, dtype, rtol):
-    model = _model(name, dtype)
+def test_loss_and_every_gradient_equal_the_models_own_logits_float64(name):
+    model = _model(name, torch.float64)
     inputs, targets = _batch(model.config.vocab_size)
     want = _loss_and_gradients(model, _full_loss(inputs, targets))
     use_chunked_loss(model, 5)
     got = _loss_and_gradients(model, lambda m: chunked_loss_sum(m, inputs, targets))
-    assert relative_error(got[0], want[0]) <= rtol, (got[0], want[0])
+    assert relative_error(got[0], want[0]) <= 1e-12, (got[0], want[0])
     names = [n for n, _ in model.named_parameters()]
     worst = max(zip((relative_error(g, w) for g, w in zip(got[1], want[1])), names))
-    assert worst[0] <= rtol, worst
+    assert worst[0] <= 1e-12, worst
+    assert model(**inputs).logits.shape[-1] == model.config.vocab_size  # without targets: the model as it was
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_float32_chunked_loss_is_as_close_to_float64_as_the_models_own(name):
+    """In float32 the two losses sum in different orders, and a gradient that cancels over the tokens
+    (Qwen3.5's dt_bias) differs between them by a few 1e-6 with one thread: judge both against the
+    float64 model. The chunked loss's error in every gradient is at most twice the model's own loss's
+    (+ 1e-7), and the loss agrees within 1e-6."""
+    truth_model = _model(name, torch.float64)
+    inputs, targets = _batch(truth_model.config.vocab_size)
+    truth = _loss_and_gradients(truth_model, _full_loss(inputs, targets))
+    model = _model(name, torch.float32)
+    full = _loss_and_gradients(model, _full_loss(inputs, targets))
+    use_chunked_loss(model, 5)
+    got = _loss_and_gradients(model, lambda m: chunked_loss_sum(m, inputs, targets))
+    assert relative_error(got[0], full[0]) <= 1e-6, (got[0], full[0])
+    for (name_, _), chunked, own, exact in zip(model.named_parameters(), got[1], full[1], truth[1]):
+        exact = exact.float()
+        assert relative_error(chunked, exact) <= 2 * relative_error(own, exact) + 1e-7, name_
     assert model(**inputs).logits.shape[-1] == model.config.vocab_size  # without targets: the model as it was
 
 
