@@ -10,6 +10,11 @@
 #   order    one GPU (a short run; not in the default): where the async methods' launches and waits
 #            and GDN State-P2P's messages fall among the kernels on ranks 0, 1 and 2 of 3 (fake process
 #            group: order only)
+#   trainer  one GPU, the training step (issues 32, 33): the trainer against transformers + fla-core
+#            (trainer_vs_hf.py, ~8 min), one rank's device memory through the pretrained load at
+#            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
+#            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
+#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -50,6 +55,18 @@ if has order; then
     timeout 200 python3 benchmarks/gdn_p2p_timeline.py --T 16384 --rank "$rank" --dump-dir /tmp/gdn_p2p_timeline \
       --out "$out/gdn_p2p_timeline_rank$rank.md" 2>&1 | grep -E "^\||^\*\*"
   done
+fi
+if has trainer; then
+  what=${TRAINER:-vs_hf}
+  [ "$what" = vs_hf ] && timeout 590 python3 benchmarks/trainer_vs_hf.py --out "$out/trainer_vs_hf.md" \
+    2>&1 | tee "$out/trainer_vs_hf.log" | grep -E "^\||longest"
+  [ "$what" = load ] && timeout 590 python3 benchmarks/load_memory_gpu.py --out "$out/load_memory_gpu.md" \
+    2>&1 | tee "$out/load_memory_gpu.log" | grep "^|"
+  [ "$what" = simulate ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp "${CP_SIZES:-2,4}" \
+    --tokens "${TOKENS:-128K,256K}" --sdpa "${SDPA:-all_gather}" --max-seconds 570 2>&1 | tee "$out/simulate.log" | grep "^|"
+  # compiled layers holding CP regions on CUDA (fake process group: runs and memory, not equivalence)
+  [ "$what" = compiled_cp ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K \
+    --sdpa all_gather --compile-backend inductor --max-seconds 570 2>&1 | tee "$out/compiled_cp.log" | grep "^|"
 fi
 if has multi && [ "$gpus" -ge 2 ]; then
   timeout 900 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp_methods.py --device cuda \
