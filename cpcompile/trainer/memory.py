@@ -1,56 +1,83 @@
 """The per-rank memory estimate of a training step (`loop.memory_estimate`, printed by `--dry-run`).
 
 Counted from the config alone (train settings, mesh, the model's config; the parameter count), as
-the peak of allocated memory (`torch.cuda.max_memory_allocated`) in a steady-state step, in GiB:
+the peak of allocated memory (`torch.cuda.max_memory_allocated`) in a steady-state step, in GiB.
+T is this rank's tokens (batch_size / dp x seq_len / cp); e, c, r the bytes of an element of the
+parameters (`train.dtype`), of the compute dtype (FSDP2's `mixed_precision.param_dtype`, else e)
+and of the gradient reduction (`reduce_dtype`, else c); f = max(4, c): norms, gates, the GDN
+core's q/k and the loss run in float32 at least.
 
-    total = states + fsdp_buffers + activations + max(loss, layer_backward)
+The peak is not the sum of the step's parts: the backward walks down the decoder stack, creating
+each layer's gradients and releasing what each layer kept, so the gradients of the lower layers
+and the activations of the upper ones never coexist. `total` is the largest of these moments:
 
-Assumptions, term by term (T = this rank's tokens = batch_size / dp x seq_len / cp; e, c, r = the
-bytes of an element of the parameters (`train.dtype`), of the compute dtype (FSDP2's
-`mixed_precision.param_dtype`, else e) and of the gradient reduction (`reduce_dtype`, else c);
-f = max(4, c): norms, gates and the loss run in float32 at least):
+- the loss's backward: parameters and AdamW's two moments (3 e P / shards: `zero_grad(set_to_none)`
+  freed the gradients), the root's gathered parameters and the last layer's (FSDP2 keeps both
+  after the forward), every kept activation and the loss's buffers;
+- each decoder layer i's backward, from the last down: parameters and moments, the reduced
+  gradients of the layers above i, the root's gathered parameters and the head's unsharded
+  gradient in c (reduced only in the root's post-backward, at the end), FSDP2's buffers around
+  layer i, what the layers below i keep, and everything of layer i alive at its backward's peak;
+- the optimizer step: parameters, gradients, moments and foreach AdamW's one temporary
+  (sqrt of the second moment): 5 e P / shards.
 
-- `states`: parameters, gradients and AdamW's two moments, all in e, sharded by FSDP2 over
-  dp_shard x cp and, as if TP split them all (its linears are most of them), over tp: 4 e P / shards.
-- `fsdp_buffers`: the root's parameters (embeddings, an untied head, the final norm) gathered in c
-  for the whole step (FSDP2 does not reshard the root after its forward), and around one decoder
-  layer's backward: its gathered parameters and the next layer's (prefetched), its unsharded
-  gradient in c and that gradient again in r for the reduce-scatter: (3 c + r) x the largest
-  layer's parameters.
-- `activations`: what the decoder stack keeps for the backward, layer by layer as
-  `activation_checkpointing` picks them (`checkpointing.ACMode.layers`): a checkpointed layer its
-  input, c h per token; a `selective` one its input and the outputs its policy saves
-  (`selective_saved_bytes`: the matmuls', the attention or GDN core's, the gathered K/V); a layer
-  left alone everything its backward reads (`layer_saved_bytes`); plus the final norm's saved
-  tensors and its output (the loss's input).
-- `loss`: the loss's own buffers, while every saved activation is alive (the start of the
-  backward): with `loss: chunked` one chunk's logits in c, their float32 copy and gradient
-  (`loss_chunk_tokens` x vocab x (c + 2 f)) and the head's weight gradient accumulated in float32
-  (vocab x h x f); with `loss: full` the log-softmax output, its gradient and the logits' gradient,
-  all in float32 (T x vocab x 3 f: the logits in c are gone by then).
-- `layer_backward`: one decoder layer's backward, its checkpoint replayed: what the replay saves
-  (`layer_saved_bytes`; for a selective layer what its policy recomputes, the difference to
-  `selective_saved_bytes`; nothing for a layer that was not checkpointed: already in `activations`)
-  plus its backward's working memory (`layer_workspace_bytes`): GDN's per-chunk fp32 states
-  (Hv K V f / 64 a token), its w, u and (I + A)^-1 blocks, the fp32 q/k gradients; SDPA's fp32 dq
-  and, under AllGather, the gathered keys' gradients; the MLP's gradients in flight. The largest
-  layer kind counts.
+The terms reported beside `total` (GiB): `states` = 4 e P / shards (parameters, gradients, moments;
+sharded by FSDP2 over dp_shard x cp and, as if TP split them all, over tp); `fsdp_buffers` = the
+root's parameters gathered in c (for the whole step) + (3 c + r) x the largest layer's parameters
+(its gathered parameters, the next layer's prefetched, its unsharded gradient in c and again in r
+for the reduce-scatter); `activations` = what every layer keeps + the final norm's, at the start of
+the backward; `loss` = the loss's buffers at their peak; `layer_backward` = the most a layer's
+backward holds beyond what it kept.
 
-`layer_saved_bytes` follows the Qwen3.5 / Qwen3 / Llama layers as transformers writes them and as
-cpcompile runs their GDN core (trainer/parallelize.py `use_cpcompile_gdn`, the CP rewrites): RMSNorm
-upcasts its input and keeps the float32 input and normalised value and its output in c
-((2 f + c) per element); GDN keeps the conv's padded input, output and SiLU output (3 x conv
-channels x c), q and k L2-normalised in float32 (their upcast copies and the results), g and beta,
-the gated RMSNorm's upcasts (core output, gate, SiLU(gate)) and its two c results, and out_proj's
-input; attention keeps q (and k) after their norm (Qwen3 family) and RoPE, v, the output, the
-output gate and its product (Qwen3-Next / Qwen3.5: their q_proj holds the gate), and under
-AllGather the other ranks' K and V (2 x KV width x c x (cp - 1) a token; Ulysses instead replicates
-KV heads up to cp); the MLP keeps gate, up, SiLU(gate) and their product (4 x intermediate x c).
+Per token, a layer of each kind (Qwen3.5 / Qwen3 / Llama as transformers writes them, the GDN
+layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Triton core):
 
-Not counted: CUDA/NCCL/Triton workspaces outside PyTorch's allocator, the allocator's fragmentation
-(reserved - allocated), the first step's one-off work (tracing, FSDP2's lazy init), TP's split of
-the activations. These per-element counts are read from the code, not measured: calibrate them
-against `benchmarks/trainer_gpu.py --simulate-cp`'s measured peaks (its `est/peak` column).
+- saved (`layer_saved_bytes`, what autograd keeps of a layer that is not checkpointed, and what a
+  replay recomputes): each RMSNorm its input upcast to float, the normalised value (float) and its
+  output in c ((upcast + f + c) x width); GDN the conv's padded input, output and SiLU output
+  (3 x conv channels x c), q and k upcast and L2-normalised (2 x key width x (upcast + f)), the
+  gates, the gated RMSNorm's three float copies and three results in c (value width x (3 f + 3 c),
+  out_proj's input included); attention q and k's per-head RMSNorm copies (Qwen3 family), q, k
+  after RoPE and v (K/V x the Ulysses replicas), under AllGather the other ranks' K and V
+  (2 x KV width x c x (cp - 1)), the output and its log-sum-exp, with an output gate (Qwen3-Next /
+  Qwen3.5) sigmoid(gate) and the product; the MLP gate, up, SiLU(gate) and their product
+  (4 x intermediate x c);
+- kept (`layer_kept_bytes`): a checkpointed layer its input (h x c); a `selective` one its input
+  and the outputs `checkpointing.selective_policy` saves (`selective_saved_bytes`: every matmul's,
+  the core's — GDN's in float, q's dtype —, the gathered K/V); a layer left alone what it saved;
+- peak of its backward (`layer_peak_bytes`): the larger of two moments. The MLP's backward comes
+  first: every saved tensor (replayed, for a checkpointed layer) but SiLU(gate) x up, three
+  intermediate-width gradients in flight and the incoming one: saved + 2 x intermediate x c +
+  h x c. Then the core's: what the ops before the core saved, the gradients in flight (the GDN
+  core output's in float, dz, the residual's) and the core's buffers: GDN's Triton backward
+  (`gdn_core_backward_bytes`, counted from kernels/gdn/triton/launch.py: the q/k/v/do casts and
+  copies, gc, w, u, the (I + A)^-1 rows, and the most of its three phases: the recomputed chunk
+  states and their gradients, one K x V state in c per 64 tokens and head each, then the per
+  value head dq/dk/dw, then dv and the float dq/dk), attention's (`attention_core_backward_bytes`,
+  FlashAttention-2's dq, dk, dv, float dq accumulator and per-query-head dk/dv; read from the
+  code, not measured). For this model the MLP's moment is the larger (GDN 172 KB a token in
+  bfloat16 against 164 for the core's); a checkpointed layer adds its kept input, a selective one
+  also the down projection's saved output, which its replay stops before.
+- `loss: chunked`: one chunk's logits in c while their float copy is made (or, in the backward,
+  the float gradient while its c copy is made): loss_chunk_tokens x vocab x (c + f), the head's
+  weight gradient accumulated in float (vocab x h x f) and the hidden states' gradient (T x h x
+  c); `loss: full`: the log-softmax output, its gradient and the logits' gradient, all in float
+  (T x vocab x 3 f: the logits in c are gone by then). The final norm keeps (upcast + f + c) x h.
+
+These per-token counts are measured as well as read: `benchmarks/layer_memory.py` runs one
+bfloat16 layer of each kind at the real widths on CPU under a live-storage tracker, the Triton
+core's launch code allocating its buffers with its kernels skipped, and tests/train/
+test_memory_layers.py holds the counts to that measurement within 1% (they differ by 0.2%: the
+per-row rsqrt and per-head gate vectors, rounded here). docs/trainer.md has the check against the
+H200 peaks: every eager row within 1.5%; the ranks of a CP job differ by up to 1% (0.28 GiB
+between rank 0 and rank 7 at CP=8), which this rank-blind count does not explain.
+
+Not counted: CUDA/NCCL/Triton workspaces outside PyTorch's allocator, the allocator's
+fragmentation (reserved - allocated), an op's temporaries freed inside it (e.g. a cuDNN conv
+workspace), the first step's one-off work (tracing, FSDP2's lazy init, AdamW's state creation),
+the rotary embeddings (2 x rotary dim x c a token, shared by the layers), TP's split of the
+activations. `torch.compile`d layers fuse some of the saved elementwise results away: their
+peak was 3-7% below this eager count on the H200 (docs/trainer.md).
 """
 from __future__ import annotations
 
@@ -59,47 +86,74 @@ import torch
 from .config import DTYPES, TrainConfig
 
 GIB = 2.0 ** 30
-GDN_CHUNK = 64  # tokens per chunk of the GDN kernels: one fp32 state per chunk in the backward
+GDN_CHUNK = 64  # tokens per chunk of the GDN kernels: one state per chunk, one (I + A)^-1 row of 64 a token
 
 
 def estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
     """The estimate of the module doc, GiB per term and `total`."""
+    terms, moments = _terms_and_moments(config, params, model_config)
+    gib = {name: value / GIB for name, value in terms.items()}
+    gib["total"] = max(moments.values()) / GIB
+    return gib
+
+
+def _terms_and_moments(config: TrainConfig, params: int, model_config) -> tuple[dict, dict]:
+    """({term: bytes}, {moment of the step: bytes alive then}) of the module doc."""
     settings, accelerator = config.train, config.plan.accelerator
     text = model_config.get_text_config()
     sizes = _ElementSizes.of(settings)
     tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
     shards = accelerator.dp_shard_size * accelerator.cp_size * accelerator.tp_size
-    sdpa = _sdpa_method(config)
-    kinds = layer_kinds(text)
-    mode = settings.ac_mode
-    checkpointed = set(mode.layers(len(kinds)))
+    kept, peaks = _layers_bytes(config, text, sizes, tokens)
+    layer_fsdp = [layer_parameters(text, kind) * (3 * sizes.compute + sizes.reduce) for kind in layer_kinds(text)]
+    root = root_parameters(text) * sizes.compute
+    terms = {"states": 4 * params * sizes.param / shards,
+             "fsdp_buffers": root + max(layer_fsdp),
+             "activations": sum(kept) + final_norm_bytes(text, sizes) * tokens,
+             "loss": loss_bytes(settings, text, sizes, tokens),
+             "layer_backward": max(peak - keep for peak, keep in zip(peaks, kept))}
+    resident = 3 * params * sizes.param / shards  # parameters and moments: zero_grad(set_to_none) freed the gradients
+    last_layer = layer_parameters(text, layer_kinds(text)[-1]) * sizes.compute  # stays gathered after the forward
+    moments = {"loss backward": resident + root + last_layer + terms["activations"] + terms["loss"]}
+    base = resident + root + head_parameters(text) * sizes.compute
+    for index, value in _layer_backward_moments(text, sizes, shards, base, kept, peaks, layer_fsdp):
+        moments[f"layer {index} backward"] = value
+    moments["optimizer step"] = 5 * params * sizes.param / shards  # foreach AdamW: one more parameter-sized temporary
+    return terms, moments
 
-    states = 4 * params * sizes.param / shards
-    fsdp = (root_parameters(text) * sizes.compute
-            + max(layer_parameters(text, kind) for kind in set(kinds)) * (3 * sizes.compute + sizes.reduce))
-    kept = {kind: _kept_bytes(text, kind, sizes, accelerator.cp_size, sdpa, mode.kind) for kind in set(kinds)}
-    stack = sum(kept[kind] if index in checkpointed else layer_saved_bytes(text, kind, sizes, accelerator.cp_size, sdpa)
-                for index, kind in enumerate(kinds)) * tokens
-    final = (2 * sizes.float + 2 * sizes.compute) * text.hidden_size * tokens  # final norm + its output
-    loss = loss_bytes(settings, text, sizes, tokens)
-    replayed = {kinds[index] for index in checkpointed}
-    layer = max((layer_saved_bytes(text, kind, sizes, accelerator.cp_size, sdpa) - kept[kind] + text.hidden_size
-                 * sizes.compute if kind in replayed else 0)
-                + layer_workspace_bytes(text, kind, sizes, accelerator.cp_size, sdpa)
-                for kind in set(kinds)) * tokens
-    terms = {"states": states, "fsdp_buffers": fsdp, "activations": stack + final, "loss": loss,
-             "layer_backward": layer}
-    gib = {name: value / GIB for name, value in terms.items()}
-    gib["total"] = gib["states"] + gib["fsdp_buffers"] + gib["activations"] + max(gib["loss"], gib["layer_backward"])
-    return gib
+
+def _layers_bytes(config: TrainConfig, text, sizes: "_ElementSizes", tokens: int) -> tuple[list[int], list[int]]:
+    """(what each decoder layer keeps, everything of it alive at its backward's peak), in bytes."""
+    cp, sdpa, kinds = config.plan.accelerator.cp_size, _sdpa_method(config), layer_kinds(text)
+    checkpointing = layer_checkpointing(config.train.ac_mode, len(kinds))
+    kept = [layer_kept_bytes(text, kind, sizes, cp, sdpa, ac) * tokens for kind, ac in zip(kinds, checkpointing)]
+    peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac) * tokens for kind, ac in zip(kinds, checkpointing)]
+    return kept, peaks
+
+
+def _layer_backward_moments(text, sizes: "_ElementSizes", shards: int, base: float, kept: list[int],
+                            peaks: list[int], layer_fsdp: list[int]) -> list[tuple[int, float]]:
+    """The bytes alive at each decoder layer's backward peak, from the last layer down: `base`
+    (parameters, moments, the root's gathered parameters and the head's unsharded gradient), the
+    reduced gradients of the layers above, FSDP2's buffers around this layer, what the layers
+    below keep, and this layer's peak; -> (layer index, bytes)."""
+    kinds = layer_kinds(text)
+    moments, above, below = [], 0.0, sum(kept)
+    for index in reversed(range(len(kinds))):
+        below -= kept[index]
+        moments.append((index, base + above + layer_fsdp[index] + below + peaks[index]))
+        above += layer_parameters(text, kinds[index]) * sizes.param / shards
+    return moments
 
 
 class _ElementSizes:
-    """Bytes of an element: parameters, compute, gradient reduction, and float (float32 at least)."""
+    """Bytes of an element: parameters, compute, gradient reduction, and float (float32 at least);
+    `upcast`: what a copy to float costs (nothing when the compute dtype is float already)."""
 
     def __init__(self, param: int, compute: int, reduce: int):
         self.param, self.compute, self.reduce = param, compute, reduce
         self.float = max(4, compute)
+        self.upcast = self.float if compute < self.float else 0
 
     @classmethod
     def of(cls, settings) -> "_ElementSizes":
@@ -128,6 +182,14 @@ def layer_kinds(text) -> list[str]:
     return list(getattr(text, "layer_types", None) or ["full_attention"] * text.num_hidden_layers)
 
 
+def layer_checkpointing(mode, count: int) -> list[str]:
+    """Each layer's checkpointing: 'off' (not checkpointed), 'checkpointed' (its input kept, its
+    forward replayed) or 'selective' (`checkpointing.selective_policy`)."""
+    chosen = set(mode.layers(count))
+    checkpointed = "selective" if mode.kind == "selective" else "checkpointed"
+    return [checkpointed if index in chosen else "off" for index in range(count)]
+
+
 def _attention_widths(text) -> tuple[int, int, bool, bool]:
     """(query width, K or V width, q_proj holds an output gate, q/k normalised per head)."""
     heads = text.num_attention_heads
@@ -137,6 +199,13 @@ def _attention_widths(text) -> tuple[int, int, bool, bool]:
     return heads * head_dim, kv_heads * head_dim, hybrid, text.model_type.startswith("qwen3")
 
 
+def _kv_replicas(text, cp: int, sdpa: str) -> int:
+    """How many copies of each K/V head a rank's attention reads: Ulysses with fewer KV heads than
+    ranks copies each KV head up to one per rank before the exchange."""
+    kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return max(1, cp // kv_heads) if sdpa == "ulysses" else 1
+
+
 def _gdn_widths(text) -> tuple[int, int, int]:
     """(key width, value width, value heads) of a GDN layer."""
     return (text.linear_num_key_heads * text.linear_key_head_dim,
@@ -144,36 +213,72 @@ def _gdn_widths(text) -> tuple[int, int, int]:
 
 
 def norm_bytes(width: int, sizes: _ElementSizes) -> int:
-    """An RMSNorm's saved tensors a token: float input, normalised value, output in c."""
-    return (2 * sizes.float + sizes.compute) * width
+    """An RMSNorm's saved tensors a token: its input upcast to float, the normalised value (float)
+    and its output in c (what the next matmul keeps)."""
+    return (sizes.upcast + sizes.float + sizes.compute) * width
+
+
+def final_norm_bytes(text, sizes: _ElementSizes) -> int:
+    """The final norm's saved tensors and its output (the loss's input), a token."""
+    return norm_bytes(text.hidden_size, sizes)
 
 
 def layer_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
-    """What one decoder layer of `kind` keeps for its backward, per token (module doc)."""
-    c, f, hidden = sizes.compute, sizes.float, text.hidden_size
-    common = 2 * norm_bytes(hidden, sizes) + 4 * text.intermediate_size * c  # two norms, the MLP
+    """What one decoder layer of `kind` keeps for its backward, per token (module doc): its token
+    mixer's (the input norm's included), the second norm's and the MLP's gate, up, SiLU(gate) and
+    their product."""
     if kind == "linear_attention":
-        key, value, value_heads = _gdn_widths(text)
-        conv = 3 * (2 * key + value) * c
-        upcast = f if c < f else 0  # q/k upcast copies: none when c is float32 already
-        qk = 2 * key * (upcast + f)
-        gates = 3 * value_heads * f
-        gated_norm = value * (3 * f + 2 * c)
-        return common + conv + qk + gates + gated_norm + value * c
-    query, kv, gated, qk_norm = _attention_widths(text)
-    kv_heads = kv // (query // text.num_attention_heads)
-    # Ulysses with fewer KV heads than ranks copies each KV head up to one per rank before the exchange
-    replicas = max(1, cp // kv_heads) if sdpa == "ulysses" else 1
-    rotated = (query + kv * replicas) * c + (norm_bytes(query + kv, sizes) if qk_norm else 0)
-    values = kv * c * replicas
+        mixer = _gdn_before_core_bytes(text, sizes) + _gdn_after_core_bytes(text, sizes)
+    else:
+        mixer = _attention_before_core_bytes(text, sizes, cp, sdpa) + _attention_after_core_bytes(text, sizes)
+    return mixer + norm_bytes(text.hidden_size, sizes) + 4 * text.intermediate_size * sizes.compute
+
+
+def _gdn_before_core_bytes(text, sizes: _ElementSizes) -> int:
+    """What a GDN layer's ops before its core keep, a token: the input norm's; the conv's padded
+    input, its output and SiLU's output (3 x conv channels in c); q and k upcast to float and
+    L2-normalised (two float copies each); the gates g and beta."""
+    key, value, value_heads = _gdn_widths(text)
+    conv = 3 * (2 * key + value) * sizes.compute
+    qk = 2 * key * (sizes.upcast + sizes.float)
+    gates = 3 * value_heads * sizes.float
+    return norm_bytes(text.hidden_size, sizes) + conv + qk + gates
+
+
+def _gdn_after_core_bytes(text, sizes: _ElementSizes) -> int:
+    """What a GDN layer keeps after its core, a token: the gated RMSNorm's float copies (core
+    output, gate, SiLU(gate)) and its three results in c, the last out_proj's input."""
+    _, value, _ = _gdn_widths(text)
+    return value * (3 * sizes.float + 3 * sizes.compute)
+
+
+def _attention_before_core_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+    """What an attention layer keeps up to its core's output, a token: the input norm's; q and k's
+    RMSNorm (Qwen3 family: their float copies; their c outputs are RoPE's inputs, not kept); q, k
+    after RoPE and v (K/V copied per Ulysses replica); under AllGather the other ranks' K and V;
+    the attention output and its log-sum-exp."""
+    c, f = sizes.compute, sizes.float
+    query, kv, _, qk_norm = _attention_widths(text)
+    replicas = _kv_replicas(text, cp, sdpa)
+    normalised = (query + kv) * (sizes.upcast + f) if qk_norm else 0
+    rotated = (query + 2 * kv * replicas) * c  # q, k after RoPE; v
     gathered = 2 * kv * c * (cp - 1) if sdpa == "all_gather" else 0
-    output = query * c * (3 if gated else 1)  # the attention output; with a gate: sigmoid(gate), the product
-    return common + rotated + values + gathered + output
+    output = query * c + text.num_attention_heads * f
+    return norm_bytes(text.hidden_size, sizes) + normalised + rotated + gathered + output
 
 
-def _kept_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, mode: str) -> int:
-    """What a checkpointed layer of `kind` keeps between its forward and its backward, per token."""
-    if mode == "selective":
+def _attention_after_core_bytes(text, sizes: _ElementSizes) -> int:
+    """With an output gate (Qwen3-Next / Qwen3.5: q_proj holds it) sigmoid(gate) and the gated
+    output, o_proj's input; without one o_proj reads the attention output itself."""
+    query, _, gated, _ = _attention_widths(text)
+    return 2 * query * sizes.compute if gated else 0
+
+
+def layer_kept_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str) -> int:
+    """What a layer keeps between its forward and its backward, a token (`layer_checkpointing`)."""
+    if checkpointing == "off":
+        return layer_saved_bytes(text, kind, sizes, cp, sdpa)
+    if checkpointing == "selective":
         return selective_saved_bytes(text, kind, sizes, cp, sdpa)
     return text.hidden_size * sizes.compute  # its input
 
@@ -181,47 +286,107 @@ def _kept_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, mode:
 def selective_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
     """What `checkpointing.selective_policy` keeps of one layer of `kind`, per token: its input, the
     outputs of its matmuls (every projection), of the attention or GDN core, and the collectives'
-    (under AllGather the other ranks' K and V); the norms, activations, RoPE and the conv are replayed."""
+    (under AllGather the other ranks' K and V); the norms, activations, RoPE and the conv are replayed.
+    The GDN core's output is in q's dtype: float (q and k are normalised in float)."""
     c, hidden = sizes.compute, text.hidden_size
     mlp = (2 * text.intermediate_size + hidden) * c  # gate, up, down
     if kind == "linear_attention":
         key, value, value_heads = _gdn_widths(text)
         projections = (2 * key + 2 * value + 2 * value_heads) * c  # qkv, z, b, a
-        return hidden * c + mlp + projections + value * c + hidden * c  # + the core's output, out_proj's
+        return hidden * c + mlp + projections + value * sizes.float + hidden * c  # + the core's output, out_proj's
     query, kv, gated, _ = _attention_widths(text)
     projections = (query * (2 if gated else 1) + 2 * kv) * c
     gathered = 2 * kv * c * (cp - 1) if sdpa == "all_gather" else 0
-    return hidden * c + mlp + projections + gathered + query * c + hidden * c  # + the core's output, o_proj's
+    core = query * c + text.num_attention_heads * sizes.float  # the output and its log-sum-exp
+    return hidden * c + mlp + projections + gathered + core + hidden * c  # + o_proj's output
 
 
-def layer_workspace_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
-    """One layer's backward working memory beyond what it saved, per token (module doc)."""
-    c, f = sizes.compute, sizes.float
-    in_flight = 2 * text.intermediate_size * c  # the MLP's activation gradients
+def layer_peak_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str) -> int:
+    """Everything of one layer alive at the peak of its backward, a token, what it kept included:
+    the larger of its MLP's backward and its core's (module doc). A checkpointed layer keeps its
+    input throughout; a selective one also the down projection's saved output, which its replay
+    stops before (the replay ends at the last tensor the backward reads, down_proj's input)."""
+    stages = max(_mlp_backward_bytes(text, kind, sizes, cp, sdpa), _core_backward_bytes(text, kind, sizes, cp, sdpa))
+    own_input = text.hidden_size * sizes.compute
+    return stages + {"off": 0, "checkpointed": own_input, "selective": 2 * own_input}[checkpointing]
+
+
+def _mlp_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+    """The first moment of a layer's backward, its MLP's: every tensor the layer saved but
+    SiLU(gate) x up (released by down_proj's backward), the gradients of that product, of
+    SiLU(gate) and of up, and the incoming gradient."""
+    c = sizes.compute
+    return layer_saved_bytes(text, kind, sizes, cp, sdpa) + 2 * text.intermediate_size * c + text.hidden_size * c
+
+
+def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+    """The backward of the layer's core: what the ops before it saved, the gradients in flight
+    (the core output's, the gate's, the residual's) and the core's backward buffers."""
+    c, hidden = sizes.compute, text.hidden_size
     if kind == "linear_attention":
-        key, value, value_heads = _gdn_widths(text)
-        key_dim, value_dim = text.linear_key_head_dim, text.linear_value_head_dim
-        states = value_heads * key_dim * value_dim * f // GDN_CHUNK
-        prepared = value_heads * (key_dim + value_dim + GDN_CHUNK) * f  # w, u, (I + A)^-1 blocks
-        return in_flight + states + prepared + 2 * key * f
+        _, value, _ = _gdn_widths(text)
+        in_flight = value * sizes.float + value * c + hidden * c  # d core output (float), dz, d residual
+        return _gdn_before_core_bytes(text, sizes) + in_flight + gdn_core_backward_bytes(text, sizes)
+    query, _, gated, _ = _attention_widths(text)
+    in_flight = query * c * (2 if gated else 1) + hidden * c  # d output (and d gate), d residual
+    return _attention_before_core_bytes(text, sizes, cp, sdpa) + in_flight + \
+        attention_core_backward_bytes(text, sizes, cp, sdpa)
+
+
+def gdn_core_backward_bytes(text, sizes: _ElementSizes) -> int:
+    """The Triton GDN core's backward buffers at their peak, a token (kernels/gdn/triton/backend.py
+    `chunk_backward`, launch.py `gdn_bwd`; State-P2P's `p2p_backward` allocates the same): q and k
+    cast to the kernel dtype (c, v's), v made contiguous, the output gradient in c; prepare's gc, w,
+    u and (I + A)^-1 rows (64 floats a token and head); then the most of three phases: after the
+    reverse state pass (the recomputed chunk states and their gradients, one K x V state in c per
+    64 tokens and head each; dvl in float; dvn), after `bwd_inter` (per value head dq, dw in c and
+    dk in float) and in `bwd_prepare` (dv, dbeta, dg, and dq, dk in q's dtype: float)."""
+    c, f = sizes.compute, sizes.float
+    key, value, heads = _gdn_widths(text)
+    per_head_keys = heads * text.linear_key_head_dim  # w, dq, dk, dw come per value head
+    state = heads * text.linear_key_head_dim * text.linear_value_head_dim * c // GDN_CHUNK
+    inputs = 2 * key * c + 2 * value * c
+    prepared = heads * f + per_head_keys * c + value * c + heads * GDN_CHUNK * f
+    after_state_pass = 2 * state + value * f + value * c
+    per_head_grads = per_head_keys * (2 * c + f) + heads * f  # dq, dw; dk; dgc
+    after_inter = 2 * state + value * c + per_head_grads
+    in_prepare = value * c + per_head_grads + value * c + 2 * heads * f + 2 * key * f
+    return inputs + prepared + max(after_state_pass, after_inter, in_prepare)
+
+
+def attention_core_backward_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+    """The attention's backward buffers, a token: dq, dk, dv over the keys the rank attends (under
+    AllGather every rank's, under Ulysses the replicated heads) and, inside a FlashAttention-2
+    style kernel, a float dq accumulator and with grouped heads dk, dv per query head before their
+    sum. Read from PyTorch's flash backward (`mha_bwd`), not measured: at this model's widths the
+    MLP's moment is larger."""
+    c, f = sizes.compute, sizes.float
     query, kv, _, _ = _attention_widths(text)
-    keys = 2 * kv * f * (cp if sdpa == "all_gather" else 1)  # dK, dV over the keys it attended
-    return in_flight + query * f + keys
+    keys = kv * (cp if sdpa == "all_gather" else _kv_replicas(text, cp, sdpa))
+    per_query_head = 2 * keys * (query // kv) * c if query != kv else 0
+    return query * c + 2 * keys * c + query * f + per_query_head
 
 
 def loss_bytes(settings, text, sizes: _ElementSizes, tokens: int) -> int:
-    """The loss's buffers at the start of the backward (module doc)."""
+    """The loss's buffers at their peak, in its backward (module doc)."""
     f = 8 if sizes.compute == 8 else 4  # the loss runs in float32, float64 for a float64 model
     if settings.loss == "full":
         return 3 * f * tokens * text.vocab_size
-    rows = min(tokens, settings.loss_chunk_tokens)
-    return rows * text.vocab_size * (sizes.compute + 2 * f) + text.vocab_size * text.hidden_size * max(f, sizes.param)
+    rows, vocab, hidden = min(tokens, settings.loss_chunk_tokens), text.vocab_size, text.hidden_size
+    chunk = rows * vocab * (sizes.compute + f)  # the logits in c while their float copy is made, or the reverse
+    weight_gradient = vocab * hidden * f
+    return max(chunk + weight_gradient, vocab * hidden * (f + sizes.compute)) + tokens * hidden * sizes.compute
 
 
 def root_parameters(text) -> int:
     """The parameters outside the decoder layers: embeddings, an untied head, the final norm."""
     embeddings = text.vocab_size * text.hidden_size
     return embeddings * (1 if getattr(text, "tie_word_embeddings", False) else 2) + text.hidden_size
+
+
+def head_parameters(text) -> int:
+    """The output head's weight (the embeddings' when tied)."""
+    return text.vocab_size * text.hidden_size
 
 
 def layer_parameters(text, kind: str) -> int:
