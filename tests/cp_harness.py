@@ -211,6 +211,18 @@ def output_errors(got: dict, want: dict) -> dict:
             "grads": max(grads.values()), "missing_grads": missing}
 
 
+class RunningSum(torch.nn.Module):
+    """An MLP followed by a cumulative sum over the sequence: a mixer no rule knows by name, which
+    the audit for sequence mixing must find by behaviour (audit/mixers.py)."""
+
+    def __init__(self, mlp: torch.nn.Module):
+        super().__init__()
+        self.mlp = mlp
+
+    def forward(self, hidden_states):
+        return self.mlp(hidden_states).cumsum(dim=1) / hidden_states.shape[1]
+
+
 class QKVAttention(torch.nn.Module):
     """A core-attention module in the `sdpa_qkv` style: forward(q, k, v) → causal SDPA."""
 

@@ -22,7 +22,9 @@ import random
 import pytest
 import torch
 
-from cp_harness import assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan
+from cp_harness import (
+    RunningSum, assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan,
+)
 from dist_utils import run_distributed
 from gdn_harness import gdn_plan, use_reference_gdn
 from model_zoo import build
@@ -38,17 +40,6 @@ REFUSED = {  # model -> the module and class the refusal must name
     "lfm2": ("model.layers.0.conv", "Lfm2ShortConv"),
     "qwen3_next": ("model.layers.0.linear_attn", "Qwen3NextGatedDeltaNet"),
 }
-
-
-class RunningSum(torch.nn.Module):
-    """An MLP followed by a cumulative sum over the sequence: a mixer no rule knows by name."""
-
-    def __init__(self, mlp: torch.nn.Module):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, hidden_states):
-        return self.mlp(hidden_states).cumsum(dim=1) / hidden_states.shape[1]
 
 
 def with_running_sum(seed: int):

@@ -23,23 +23,12 @@ import random
 import pytest
 import torch
 
-from cp_harness import assert_fails_with, outcome_of, random_batch, sdpa_plan, tiny_qwen3
+from cp_harness import RunningSum, assert_fails_with, outcome_of, random_batch, sdpa_plan, tiny_qwen3
 from dist_utils import run_distributed
 from gdn_harness import gdn_plan, tiny_qwen3_5
 
 WORLD = 2
 LENGTH = 16
-
-
-class RunningSum(torch.nn.Module):
-    """An MLP followed by a cumulative sum over the sequence: a mixer the audit finds by behaviour."""
-
-    def __init__(self, mlp: torch.nn.Module):
-        super().__init__()
-        self.mlp = mlp
-
-    def forward(self, hidden_states):
-        return self.mlp(hidden_states).cumsum(dim=1) / hidden_states.shape[1]
 
 
 class ReadsTheEmbedding(torch.nn.Module):
