@@ -18,7 +18,7 @@ No network: the model is built from a config (random weights), the data are synt
 precision: float32 parameters, FSDP2 computing in bfloat16 and reducing in float32; GDN layers on
 cpcompile's Triton core (with cp 1 too); SDPA AllGather and GDN State-P2P under CP. Every step
 prints its peak allocated memory; the last line is the summary with MFU, counted as
-6 x (non-embedding parameters) + the causal attention term per token, against `--peak-tflops`
+6 x (matmul parameters, the head's included) + the causal attention term per token, against `--peak-tflops`
 (H200 dense bf16: 989), without the activation-checkpointing recompute.
 
     python benchmarks/trainer_gpu.py --simulate-cp 2,4,8,16 [--tokens 128K,256K,512K,1M]
@@ -69,13 +69,16 @@ def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf")
 
 
 def flops_per_token(model, seq_len: int) -> float:
-    """6 x non-embedding parameters + causal attention (QK^T and PV: 6 x 2 x S/2 x heads x head_dim
-    per attention layer, forward + backward)."""
+    """6 x (the parameters of every matmul, the head's included; not the embedding lookup) + the causal
+    attention term: 6 x attention layers x seq_len x heads x head_dim (QK^T and PV over seq_len / 2 keys
+    on average, forward + backward). No activation-checkpointing recompute."""
     text = model.config.get_text_config()
-    embedding = sum(p.numel() for name, p in model.named_parameters() if "embed_tokens" in name or "lm_head" in name)
-    dense = sum(p.numel() for p in model.parameters()) - embedding
+    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once, as the embedding
+    embedding = text.vocab_size * text.hidden_size
+    head = 0 if getattr(text, "tie_word_embeddings", False) else text.vocab_size * text.hidden_size
+    matmul = total - embedding - head + text.vocab_size * text.hidden_size
     attention_layers = sum(1 for kind in text.layer_types if kind == "full_attention")
-    return 6 * dense + 6 * attention_layers * seq_len * text.num_attention_heads * text.head_dim
+    return 6 * matmul + 6 * attention_layers * seq_len * text.num_attention_heads * text.head_dim
 
 
 def ac_setting(name: str):

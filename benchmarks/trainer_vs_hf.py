@@ -182,22 +182,11 @@ def gdn_kernel(step) -> str:
     return "transformers' PyTorch reference (fla-core not used)" + ("" if not called else f"; fla called: {called[0]}")
 
 
-def matmul_flops_per_token(model, seq_len: int) -> float:
-    """6 x (the parameters of every matmul, the head's included; not the embedding lookup) + the causal
-    attention term: 6 x attention layers x seq_len x heads x head_dim (QK^T and PV over seq_len / 2 keys
-    on average, forward + backward). No activation-checkpointing recompute."""
-    text = model.config.get_text_config()
-    total = sum(p.numel() for p in model.parameters())  # a tied head is counted once, as the embedding
-    embedding = text.vocab_size * text.hidden_size
-    head = 0 if getattr(text, "tie_word_embeddings", False) else text.vocab_size * text.hidden_size
-    matmul = total - embedding - head + text.vocab_size * text.hidden_size
-    attention_layers = sum(1 for kind in text.layer_types if kind == "full_attention")
-    return 6 * matmul + 6 * attention_layers * seq_len * text.num_attention_heads * text.head_dim
-
-
 def run_attempt(args, spec: dict) -> dict:
     """Build one method at one length, warm up, measure within `spec['deadline_s']`; -> its row."""
     import torch
+
+    from trainer_gpu import flops_per_token
 
     start = time.perf_counter()
     row = dict(spec)
@@ -225,7 +214,7 @@ def run_attempt(args, spec: dict) -> dict:
         return {**row, "note": f"OOM ({phase}: {str(exc).splitlines()[0][:100]})"}
     except Unavailable as exc:
         return {**row, "note": str(exc)}
-    per_token = matmul_flops_per_token(model, spec["seq_len"])
+    per_token = flops_per_token(model, spec["seq_len"])
     mean = sum(seconds) / len(seconds)
     return {**row, "repeat": len(seconds), "seconds": mean, "tokens_per_s": spec["seq_len"] / mean,
             "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
