@@ -135,6 +135,14 @@ def test_gpu_long_sequence_is_the_chain_of_its_halves(T):
     _check_chain_of_halves(T)
 
 
+@gpu
+@needs_cuda
+def test_gpu_long_sequence_with_small_heads_is_the_chain_of_its_halves():
+    """288K tokens with 2 value heads of 16: the 4M check that failed had these heads; this one tells
+    whether the head size or the length (65601 chunks) caused it."""
+    _check_chain_of_halves(288 * 1024 + 37, dims=(1, 2, 16, 16))
+
+
 def _check_p2p_against_plain(monkeypatch, T, dims=DIMS, device="cuda"):
     """State-P2P's forward with one stored ``[P | h0]`` state a chunk (``P2P_HSTRIDE = 1``, one group a
     chunk): output and ``M H_in + S`` against the plain forward from the same incoming state."""
