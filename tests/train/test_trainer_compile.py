@@ -45,3 +45,32 @@ def test_compile_backend_null_is_the_device_default_without_cp_and_eager_with_it
     assert layers(None, "cuda") == "inductor" and layers("eager", "cuda") is None
     assert layers(None, "cuda", cp=2) is None and layers("inductor", "cuda", cp=2) == "inductor"
     assert layers("aot_eager", cp=4) == "aot_eager" and layers(None, cp=4) is None
+
+
+def _packed_eager_and_compiled(rank: int, world: int, seed: int) -> dict:
+    import torch._dynamo
+
+    from test_trainer import without_cp
+    from test_trainer_packing import _packed
+
+    def packed(**train) -> dict:
+        config = without_cp(_packed(seed, 2))
+        config["train"].update(steps=3, activation_checkpointing="every_layer", **train)
+        return config
+
+    eager = _curves(_run(packed()))
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = _curves(_run(packed(compile_backend="aot_eager")))
+    return {"eager": eager, "compiled": compiled, "graph_breaks": dict(counters["graph_break"]),
+            "graphs": counters["stats"]["unique_graphs"]}
+
+
+def test_compiled_layers_on_packed_documents_follow_the_eager_run():
+    """cp 1 with packed documents (GDN on cpcompile's core, each batch its own document boundaries):
+    what a fine-tune runs on CUDA by default now that null means inductor there. Compiled with
+    aot_eager, every step equals the eager run: no batch's documents are baked into a graph."""
+    (result,) = run_distributed(_packed_eager_and_compiled, 1, random.randrange(1 << 30), timeout=300)
+    assert _close(result["compiled"], result["eager"], 1e-12), (result["compiled"], result["eager"])
+    assert result["graph_breaks"] == {} and result["graphs"] >= 2, result  # a GDN and an attention layer
