@@ -200,16 +200,18 @@ def _reference_step(reference: tuple, batch: dict) -> float:
     return loss.item()
 
 
-def build_trainer(config: TrainConfig, progress: Progress | None = None, load_weights: bool = True) -> Trainer:
+def build_trainer(config: TrainConfig, progress: Progress | None = None, load_weights: bool = True,
+                  from_checkpoint: bool = False) -> Trainer:
     """Build this rank's trainer. With `model.path` pretrained weights and `load_weights` (false
     when a checkpoint will overwrite them, and for a dry run), the model is built with its
     parameters on the meta device, so that no rank holds it whole, and they are loaded last,
-    into the parallelized model's shards (weights.py)."""
+    into the parallelized model's shards (weights.py). `from_checkpoint`: the caller loads a DCP
+    checkpoint into the shards next (resume), so the model is built on meta too and left empty."""
     settings = config.train
     pretrained = pretrained_folder(config.model) if load_weights else None
-    # pretrained weights: no rank builds the whole model; the CP rewrite probes and traces it with
+    # weights from files: no rank builds the whole model; the CP rewrite probes and traces it with
     # fake parameters (cpcompile/meta_params.py), FSDP2 shards it, the load fills the shards
-    on_meta = pretrained is not None
+    on_meta = pretrained is not None or from_checkpoint
     progress = progress or Progress(settings.collective_timeout_s)
     check_world_size(config.plan)
     progress.at("start")
@@ -284,7 +286,7 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
 def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress) -> list[dict]:
     settings, saving = config.train, config.checkpoint
     latest = check_before_building(config)
-    trainer = build_trainer(config, progress, load_weights=latest is None)
+    trainer = build_trainer(config, progress, load_weights=latest is None, from_checkpoint=latest is not None)
     first = 0
     if latest is not None:
         progress.at("checkpoint load")

@@ -107,3 +107,34 @@ def test_training_is_bit_for_bit_the_whole_builds(runs, name):
     assert meta.keys() == whole.keys()
     different = [n for n in meta if not torch.equal(meta[n], whole[n])]
     assert not different, different
+
+
+def _resumed_on_meta(rank: int, world: int, seed: int, folder: str) -> dict:
+    from cpcompile.trainer import loop
+    from test_trainer import _curves, _run, qwen3_5_config, without_cp
+
+    full = _curves(_run(without_cp(qwen3_5_config(seed))))
+    saving = dict(without_cp(qwen3_5_config(seed)), checkpoint={"folder": folder, "interval": 2})
+    stopped = _curves(_run(saving, stop_after=2))
+    seen, original = [], loop.materialize
+
+    def materialize(model, device):
+        seen.append(all(_on_meta(p) for p in model.parameters()))
+        return original(model, device)
+
+    loop.materialize = materialize
+    try:
+        resumed = _curves(_run(saving))
+    finally:
+        loop.materialize = original
+    return {"full": full, "stopped": stopped, "resumed": resumed, "meta_at_materialize": seen}
+
+
+def test_a_resumed_run_is_built_on_meta_and_continues_the_same_trajectory(tmp_path):
+    """Resuming, the checkpoint overwrites every parameter: the model is built on the meta device
+    (materialized empty, then filled by DCP), as for pretrained weights, and steps 3-4 are the
+    uninterrupted run's, bit for bit."""
+    (result,) = run_distributed(_resumed_on_meta, 1, random.randrange(1 << 30), str(tmp_path / "ckpt"),
+                                timeout=300)
+    assert result["meta_at_materialize"] == [True], result["meta_at_materialize"]
+    assert result["stopped"] == result["full"][:2] and result["resumed"] == result["full"][2:], result
