@@ -111,10 +111,7 @@ def _fake_like(param: torch.Tensor, mode: FakeTensorMode, device: torch.device) 
     local = _local(param)
     with mode:
         fake = torch.empty_strided(local.shape, local.stride(), dtype=local.dtype, device=device)
-    if not isinstance(param, DTensor):
-        return fake
-    return DTensor.from_local(fake, param.device_mesh, param.placements, run_check=False, shape=param.shape,
-                              stride=param.stride())
+    return _laid_out_as(fake, param)
 
 
 @contextlib.contextmanager
@@ -154,11 +151,15 @@ def real_stand_ins(module: nn.Module, fqn: str, args: tuple, kwargs: dict) -> It
 def _random_like(tensor: torch.Tensor, generator: torch.Generator, std: float = 1.0) -> torch.Tensor:
     local = _local(tensor)
     values = torch.randn(local.shape, generator=generator, dtype=torch.float32).mul_(std)
-    values = values.to(device=local.device, dtype=local.dtype)
-    if not isinstance(tensor, DTensor):
-        return values
-    return DTensor.from_local(values, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape,
-                              stride=tensor.stride())
+    return _laid_out_as(values.to(device=local.device, dtype=local.dtype), tensor)
+
+
+def _laid_out_as(local: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """`local` as `like`'s values on this rank: itself, or for a DTensor its local shard."""
+    if not isinstance(like, DTensor):
+        return local
+    return DTensor.from_local(local, like.device_mesh, like.placements, run_check=False, shape=like.shape,
+                              stride=like.stride())
 
 
 def refuse_fake_output(fqn: str, output: Any) -> None:

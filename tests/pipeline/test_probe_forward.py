@@ -9,28 +9,24 @@ answer with zeros of the output's shape, as it does for GDN layers.
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from cp_harness import VOCAB
+from cp_harness import VOCAB, LargestTensor
 from cpcompile.capture import probe_forward
 from model_zoo import build
 
 ATTENTION_OPS = ("scaled_dot_product", "flash_attention", "efficient_attention", "cudnn_attention")
 
 
-class _AtenOps(TorchDispatchMode):
+class _AtenOps(LargestTensor):
+    """The largest tensor (`LargestTensor`) and the name of every ATen op run while active."""
+
     def __init__(self):
         super().__init__()
         self.names: list[str] = []
-        self.largest = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
         self.names.append(func.__name__)
-        for tensor in (out if isinstance(out, (tuple, list)) else [out]):
-            if isinstance(tensor, torch.Tensor):
-                self.largest = max(self.largest, tensor.numel())
-        return out
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def test_probe_records_sdpa_sites_without_running_attention():
@@ -46,4 +42,4 @@ def test_probe_records_sdpa_sites_without_running_attention():
     ran = [name for name in ops.names if any(op in name for op in ATTENTION_OPS)]
     assert not ran, f"the probe ran attention kernels: {ran}"
     heads = model.config.num_attention_heads
-    assert ops.largest < heads * seq * seq, "the probe made a [heads, S, S] tensor"
+    assert ops.numel < heads * seq * seq, "the probe made a [heads, S, S] tensor"
