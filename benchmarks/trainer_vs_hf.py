@@ -19,8 +19,10 @@ clipping at 1.0, batch 1:
   loss (`labels=`: the whole logits, upcast to float32). transformers runs its GDN layers on fla-core's
   kernels when fla-core is importable (its `chunk_gated_delta_rule`), else on its reference PyTorch
   code; the row says which ran (the Python functions called during a warm-up forward, `gdn kernel`).
+  fla-core 0.6 refuses its gated backward on Hopper with Triton < 3.7.1 (its issue #640); for timing
+  the guard is lifted, as in gdn_kernels.py (no correctness claim rests on the peer's gradients).
 - `hf_fused_ce`: the same, the loss by a fused linear cross-entropy on the last hidden state
-  (cut-cross-entropy's `linear_cross_entropy`, else liger-kernel's `LigerFusedLinearCrossEntropyLoss`);
+  (cut-cross-entropy's `linear_cross_entropy` on bf16 casts of the hidden state and head, else liger-kernel's `LigerFusedLinearCrossEntropyLoss`);
   without either installed the row says so. transformers 5.x has no fused linear cross-entropy of
   its own.
 
@@ -99,7 +101,12 @@ def fused_linear_cross_entropy():
     try:
         from cut_cross_entropy import linear_cross_entropy
 
-        return "cut-cross-entropy", lambda hidden, weight, targets: linear_cross_entropy(hidden, weight, targets)
+        import torch
+
+        # its backward takes bf16/fp16 operands only; the casts are autograd ops, so the float32
+        # head still gets its gradient (what autocast does to nn.Linear)
+        return "cut-cross-entropy", lambda hidden, weight, targets: linear_cross_entropy(
+            hidden.to(torch.bfloat16), weight.to(torch.bfloat16), targets)
     except ImportError:
         pass
     try:
@@ -111,6 +118,17 @@ def fused_linear_cross_entropy():
         return None, "not available: neither cut-cross-entropy nor liger-kernel is installed"
 
 
+def lift_fla_hopper_guard() -> None:
+    """fla-core 0.6 refuses its gated backward on Hopper with Triton < 3.7.1 (its issue #640: a Triton
+    miscompile). For timing only, as gdn_kernels.py does, the guard is lifted; no correctness claim
+    rests on the peer's gradients (its loss column is printed only)."""
+    try:
+        import fla.ops.common.chunk_o as fla_chunk_o
+    except ImportError:
+        return  # transformers then runs its PyTorch reference; the row says which kernel ran
+    fla_chunk_o.TRITON_ABOVE_3_7_1 = True
+
+
 def build_hf(args, seq_len: int, fused: bool):
     """-> (one training step as a function of its index, the model) for plain transformers."""
     import torch
@@ -119,6 +137,7 @@ def build_hf(args, seq_len: int, fused: bool):
     from trainer_gpu import MODEL, SMALL
 
     transformers = transformers_module()
+    lift_fla_hopper_guard()
     loss_name, fused_loss = fused_linear_cross_entropy() if fused else ("transformers (whole logits)", None)
     if loss_name is None:
         raise Unavailable(fused_loss)  # why it is not available
