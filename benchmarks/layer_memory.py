@@ -7,7 +7,8 @@ checked against (tests/train/test_memory_layers.py).
 A layer of each kind (GDN, attention) of benchmarks/trainer_gpu.py's `MODEL`, in bfloat16 (what
 FSDP2's mixed precision computes in), runs its forward and backward checkpointed, selective or not
 checkpointed, while `LiveBytes` counts the bytes of the storages its ops create. Per kind and
-mode, in bytes a token (the growth between two lengths, so that what does not grow with the
+mode (and for GDN with the ops before its core under their own checkpoint,
+`train.gdn_checkpoint_core_inputs`), in bytes a token (the growth between two lengths, so that what does not grow with the
 length drops out), as memory.py names them:
 
 - `kept`: what the layer keeps from its forward to its backward (a checkpointed layer's input
@@ -127,16 +128,17 @@ def text_config(raw: dict):
     return config.get_text_config()
 
 
-def decoder_layer(text, kind: str, dtype=torch.bfloat16) -> torch.nn.Module:
+def decoder_layer(text, kind: str, dtype=torch.bfloat16, gdn_inner: bool = False) -> torch.nn.Module:
     """A decoder layer of `kind` of the model `text` describes, in `dtype`, its GDN core on
-    cpcompile's Triton backend (trainer/parallelize.py `use_cpcompile_gdn`)."""
+    cpcompile's Triton backend (trainer/parallelize.py `use_cpcompile_gdn`; `gdn_inner`: the ops
+    before the core under their own checkpoint, `train.gdn_checkpoint_core_inputs`)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
     from cpcompile.trainer.parallelize import use_cpcompile_gdn
 
     torch.manual_seed(0)
     layer = Qwen3_5DecoderLayer(text, text.layer_types.index(kind)).to(dtype)
-    use_cpcompile_gdn(layer, "triton")
+    use_cpcompile_gdn(layer, "triton", checkpoint_core_inputs=gdn_inner)
     return layer
 
 
@@ -161,13 +163,14 @@ def parameter_shapes(module: torch.nn.Module) -> frozenset:
     return frozenset(shapes | {shape[::-1] for shape in shapes})
 
 
-def measure_layer(text, kind: str, checkpointing: str, tokens: int, dtype=torch.bfloat16) -> dict[str, int]:
+def measure_layer(text, kind: str, checkpointing: str, tokens: int, dtype=torch.bfloat16,
+                  gdn_inner: bool = False) -> dict[str, int]:
     """{'kept', 'peak'} in bytes (module doc) of one layer's forward and backward over `tokens`;
     `checkpointing` as `memory.layer_checkpointing` names it. A GDN layer also gives the Triton
     core backward's buffers (`core_buffers`) and the bytes of the layer at their peak (`at_core`)."""
     from cpcompile.trainer.checkpointing import checkpoint_layers, parse_ac_mode
 
-    layer = decoder_layer(text, kind, dtype)
+    layer = decoder_layer(text, kind, dtype, gdn_inner)
     mode = {"off": "off", "checkpointed": "every_layer", "selective": "selective"}[checkpointing]
     checkpoint_layers(torch.nn.ModuleList([layer]), parse_ac_mode(mode))
     hooks = _drop_parameter_gradients(layer)
@@ -232,7 +235,8 @@ def per_token(measure, short: int, long: int) -> dict[str, float]:
     return {key: (b[key] - a[key]) / (long - short) for key in a}
 
 
-def expected_layer_bytes(text, kind: str, checkpointing: str, device: str = "cpu") -> dict[str, int]:
+def expected_layer_bytes(text, kind: str, checkpointing: str, device: str = "cpu",
+                         gdn_inner: bool = False) -> dict[str, int]:
     """memory.py's kept and peak bytes a token of one bfloat16 layer, as `measure_layer` sees them on
     `device`: on CPU the attention output is laid out [B, H, T, D] (CUDA's fused kernels give [B,
     T, H, D]), so transformers' `.transpose(1, 2).contiguous()` copies it, and the output gate's
@@ -240,8 +244,8 @@ def expected_layer_bytes(text, kind: str, checkpointing: str, device: str = "cpu
     from cpcompile.trainer import memory
 
     sizes = memory._ElementSizes(param=4, compute=2, reduce=4)
-    kept = memory.layer_kept_bytes(text, kind, sizes, 1, "all_gather", checkpointing)
-    peak = memory.layer_peak_bytes(text, kind, sizes, 1, "all_gather", checkpointing)
+    kept = memory.layer_kept_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
+    peak = memory.layer_peak_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
     copy = 0
     if device == "cpu" and kind == "full_attention":
         copy = text.num_attention_heads * text.head_dim * sizes.compute
@@ -265,12 +269,14 @@ def main() -> None:
     print(f"bytes a token ({short} -> {long} tokens, bfloat16 compute): measured on CPU | memory.py (+ CPU's copy)")
     print("| layer | checkpointing | kept | peak of the backward | memory.py kept | memory.py peak |")
     print("|---|---|---|---|---|---|")
-    for kind in KINDS:
-        for checkpointing in ("checkpointed", "selective", "off"):
-            got = per_token(lambda t: measure_layer(text, kind, checkpointing, t), short, long)
-            want = expected_layer_bytes(text, kind, checkpointing)
-            print(f"| {kind} | {checkpointing} | {got['kept']:.0f} | {got['peak']:.0f} | {want['kept']} | "
-                  f"{want['peak']} |", flush=True)
+    rows = [(kind, checkpointing, False) for kind in KINDS for checkpointing in ("checkpointed", "selective", "off")]
+    rows += [("linear_attention", checkpointing, True) for checkpointing in ("checkpointed", "off")]
+    for kind, checkpointing, inner in rows:
+        got = per_token(lambda t: measure_layer(text, kind, checkpointing, t, gdn_inner=inner), short, long)
+        want = expected_layer_bytes(text, kind, checkpointing, gdn_inner=inner)
+        name = f"{checkpointing}{' + core inputs checkpointed' if inner else ''}"
+        print(f"| {kind} | {name} | {got['kept']:.0f} | {got['peak']:.0f} | {want['kept']} | "
+              f"{want['peak']} |", flush=True)
     norm = per_token(lambda t: {"kept": measure_final_norm(text, t)}, short, long)["kept"]
     print(f"final norm + its output: {norm:.0f} bytes a token | memory.py {memory.final_norm_bytes(text, sizes)}")
     loss = measure_loss(LOSS_SHAPE["tokens"], LOSS_SHAPE["vocab_size"], LOSS_SHAPE["hidden_size"], LOSS_SHAPE["chunk"])

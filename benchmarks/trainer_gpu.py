@@ -64,7 +64,8 @@ def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf")
                       "dtype": "float32", "mixed_precision": {"param_dtype": "bfloat16", "reduce_dtype": "float32"},
                       "grad_clip": 1.0, "activation_checkpointing": ac, "gdn_backend": backend,
                       "loss": loss, "loss_chunk_tokens": args.loss_chunk_tokens,
-                      "compile_backend": args.compile_backend, "device": args.device},
+                      "compile_backend": args.compile_backend, "device": args.device,
+                      "gdn_checkpoint_core_inputs": getattr(args, "gdn_checkpoint_core_inputs", False)},
             "optimizer": {"warmup_steps": 2}}
 
 
@@ -197,6 +198,9 @@ def main() -> None:
     parser.add_argument("--gdn-backend", default=None, choices=("triton", "eager"),
                         help="default: triton on cuda, eager on cpu (triton on cpu: TRITON_INTERPRET=1)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same shape family (smoke runs)")
+    parser.add_argument("--gdn-checkpoint-core-inputs", action="store_true",
+                        help="train.gdn_checkpoint_core_inputs (cp 1): less memory a token, one more forward of the "
+                             "GDN layers' projections and conv")
     simulation = parser.add_argument_group("per-rank simulation of a CP=N job on one device (simulate_cp.py)")
     simulation.add_argument("--simulate-cp", default=None, help="comma-separated CP sizes N, e.g. 2,4,8,16")
     simulation.add_argument("--tokens", default=None, help="global tokens a step: 128K,256K,512K,1M (--small: 64,128)")

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
@@ -92,17 +93,43 @@ def gdn_projections(layer: nn.Module, hidden_states: torch.Tensor) -> tuple[torc
 
 def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                       document_positions: torch.Tensor | None = None, *, chunk_size: int,
-                      backend: str) -> torch.Tensor:
+                      backend: str, checkpoint_core_inputs: bool = False) -> torch.Tensor:
     """One Qwen3.5 or Qwen3-Next GDN layer (training, no cache), as the graph CP rewrites see it.
 
     `document_positions` (`[B or 1, T]`, a packed batch only) are the tokens' positions inside
     their documents: the state resets where they are 0, and the conv reads no token of an earlier
     document (`conv_within_documents`). Positions are all the layer needs, on a CP rank too: the
     halo the rewrite fills in comes from before a token only when its position says it may.
+
+    `checkpoint_core_inputs` (the trainer's `train.gdn_checkpoint_core_inputs`, without CP) runs
+    `gdn_core_inputs` under its own non-reentrant checkpoint: its saved tensors (the conv's input
+    and outputs, q and k in float before and after their L2 norm) are not held while the core's
+    backward runs, only the core's inputs; they are recomputed once more after it.
     """
     if getattr(layer, "activation", "silu") not in ("silu", "swish"):
         raise CPInputError(f"{type(layer).__name__}: GDN context parallelism states the layer's conv with SiLU, "
                            f"the layer has activation {layer.activation!r}")
+    batch, length, _ = hidden_states.shape
+    value_dim = layer.head_v_dim
+    if checkpoint_core_inputs:
+        def inputs(hidden):  # v as its own tensor: a view would hold the whole SiLU output alive
+            query, key, value, *rest = gdn_core_inputs(layer, hidden, attention_mask, document_positions)
+            return query, key, value.contiguous(), *rest
+        query, key, value, g, beta, z, starts = checkpoint(inputs, hidden_states, use_reentrant=False)
+    else:
+        query, key, value, g, beta, z, starts = gdn_core_inputs(layer, hidden_states, attention_mask,
+                                                                 document_positions)
+    core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, layer.head_k_dim**-0.5, chunk_size,
+                                         backend, starts)
+    core = core.to(value.dtype)
+    core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
+    return layer.out_proj(core.reshape(batch, length, -1))
+
+
+def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
+                    document_positions: torch.Tensor | None) -> tuple:
+    """The GDN layer up to its core: -> (q, k, v, g, beta, z, document starts or None); q and k
+    L2-normalised in float32, v `[B, T, V heads, V dim]`, z the output gate's projection."""
     if attention_mask is not None:  # padded positions contribute nothing (HF zeroes them too)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     batch, length, _ = hidden_states.shape
@@ -129,12 +156,7 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     value = value.reshape(batch, length, -1, value_dim)
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
-
-    core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, key_dim**-0.5, chunk_size, backend,
-                                         starts)
-    core = core.to(value.dtype)
-    core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
-    return layer.out_proj(core.reshape(batch, length, -1))
+    return query, key, value, g, beta, z, starts
 
 
 def conv_within_documents(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

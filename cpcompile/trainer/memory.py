@@ -41,7 +41,8 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   after RoPE and v (K/V x the Ulysses replicas), under AllGather the other ranks' K and V
   (2 x KV width x c x (cp - 1)), the output and its log-sum-exp, with an output gate (Qwen3-Next /
   Qwen3.5) sigmoid(gate) and the product; the MLP gate, up, SiLU(gate) and their product
-  (4 x intermediate x c);
+  (4 x intermediate x c); with `train.gdn_checkpoint_core_inputs` a GDN layer's ops before its core
+  keep only the core's inputs (q and k in float, v in c, the gates: `_gdn_before_core_bytes`);
 - kept (`layer_kept_bytes`): a checkpointed layer its input (h x c); a `selective` one its input
   and the outputs `checkpointing.selective_policy` saves (`selective_saved_bytes`: every matmul's,
   the core's — GDN's in float, q's dtype —, the gathered K/V); a layer left alone what it saved;
@@ -126,8 +127,11 @@ def _layers_bytes(config: TrainConfig, text, sizes: "_ElementSizes", tokens: int
     """(what each decoder layer keeps, everything of it alive at its backward's peak), in bytes."""
     cp, sdpa, kinds = config.plan.accelerator.cp_size, _sdpa_method(config), layer_kinds(text)
     checkpointing = layer_checkpointing(config.train.ac_mode, len(kinds))
-    kept = [layer_kept_bytes(text, kind, sizes, cp, sdpa, ac) * tokens for kind, ac in zip(kinds, checkpointing)]
-    peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac) * tokens for kind, ac in zip(kinds, checkpointing)]
+    inner = config.train.gdn_checkpoint_core_inputs
+    kept = [layer_kept_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
+            for kind, ac in zip(kinds, checkpointing)]
+    peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
+             for kind, ac in zip(kinds, checkpointing)]
     return kept, peaks
 
 
@@ -223,24 +227,26 @@ def final_norm_bytes(text, sizes: _ElementSizes) -> int:
     return norm_bytes(text.hidden_size, sizes)
 
 
-def layer_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+def layer_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, gdn_inner: bool = False) -> int:
     """What one decoder layer of `kind` keeps for its backward, per token (module doc): its token
     mixer's (the input norm's included), the second norm's and the MLP's gate, up, SiLU(gate) and
     their product."""
     if kind == "linear_attention":
-        mixer = _gdn_before_core_bytes(text, sizes) + _gdn_after_core_bytes(text, sizes)
+        mixer = _gdn_before_core_bytes(text, sizes, gdn_inner) + _gdn_after_core_bytes(text, sizes)
     else:
         mixer = _attention_before_core_bytes(text, sizes, cp, sdpa) + _attention_after_core_bytes(text, sizes)
     return mixer + norm_bytes(text.hidden_size, sizes) + 4 * text.intermediate_size * sizes.compute
 
 
-def _gdn_before_core_bytes(text, sizes: _ElementSizes) -> int:
+def _gdn_before_core_bytes(text, sizes: _ElementSizes, inner: bool = False) -> int:
     """What a GDN layer's ops before its core keep, a token: the input norm's; the conv's padded
     input, its output and SiLU's output (3 x conv channels in c); q and k upcast to float and
-    L2-normalised (two float copies each); the gates g and beta."""
+    L2-normalised (two float copies each); the gates g and beta. With those ops under their own
+    checkpoint (`inner`: `train.gdn_checkpoint_core_inputs`) only the core's inputs: q and k
+    normalised (float), v (its own copy, in c) and the gates."""
     key, value, value_heads = _gdn_widths(text)
-    conv = 3 * (2 * key + value) * sizes.compute
-    qk = 2 * key * (sizes.upcast + sizes.float)
+    conv = (value if inner else 3 * (2 * key + value)) * sizes.compute
+    qk = 2 * key * (sizes.float if inner else sizes.upcast + sizes.float)
     gates = 3 * value_heads * sizes.float
     return norm_bytes(text.hidden_size, sizes) + conv + qk + gates
 
@@ -274,10 +280,11 @@ def _attention_after_core_bytes(text, sizes: _ElementSizes) -> int:
     return 2 * query * sizes.compute if gated else 0
 
 
-def layer_kept_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str) -> int:
+def layer_kept_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str,
+                     gdn_inner: bool = False) -> int:
     """What a layer keeps between its forward and its backward, a token (`layer_checkpointing`)."""
     if checkpointing == "off":
-        return layer_saved_bytes(text, kind, sizes, cp, sdpa)
+        return layer_saved_bytes(text, kind, sizes, cp, sdpa, gdn_inner)
     if checkpointing == "selective":
         return selective_saved_bytes(text, kind, sizes, cp, sdpa)
     return text.hidden_size * sizes.compute  # its input
@@ -301,32 +308,35 @@ def selective_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: 
     return hidden * c + mlp + projections + gathered + core + hidden * c  # + o_proj's output
 
 
-def layer_peak_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str) -> int:
+def layer_peak_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str,
+                     gdn_inner: bool = False) -> int:
     """Everything of one layer alive at the peak of its backward, a token, what it kept included:
     the larger of its MLP's backward and its core's (module doc). A checkpointed layer keeps its
     input throughout; a selective one also the down projection's saved output, which its replay
     stops before (the replay ends at the last tensor the backward reads, down_proj's input)."""
-    stages = max(_mlp_backward_bytes(text, kind, sizes, cp, sdpa), _core_backward_bytes(text, kind, sizes, cp, sdpa))
+    stages = max(_mlp_backward_bytes(text, kind, sizes, cp, sdpa, gdn_inner),
+                 _core_backward_bytes(text, kind, sizes, cp, sdpa, gdn_inner))
     own_input = text.hidden_size * sizes.compute
     return stages + {"off": 0, "checkpointed": own_input, "selective": 2 * own_input}[checkpointing]
 
 
-def _mlp_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+def _mlp_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, gdn_inner: bool = False) -> int:
     """The first moment of a layer's backward, its MLP's: every tensor the layer saved but
     SiLU(gate) x up (released by down_proj's backward), the gradients of that product, of
     SiLU(gate) and of up, and the incoming gradient."""
     c = sizes.compute
-    return layer_saved_bytes(text, kind, sizes, cp, sdpa) + 2 * text.intermediate_size * c + text.hidden_size * c
+    saved = layer_saved_bytes(text, kind, sizes, cp, sdpa, gdn_inner)
+    return saved + 2 * text.intermediate_size * c + text.hidden_size * c
 
 
-def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
+def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, gdn_inner: bool = False) -> int:
     """The backward of the layer's core: what the ops before it saved, the gradients in flight
     (the core output's, the gate's, the residual's) and the core's backward buffers."""
     c, hidden = sizes.compute, text.hidden_size
     if kind == "linear_attention":
         _, value, _ = _gdn_widths(text)
         in_flight = value * sizes.float + value * c + hidden * c  # d core output (float), dz, d residual
-        return _gdn_before_core_bytes(text, sizes) + in_flight + gdn_core_backward_bytes(text, sizes)
+        return _gdn_before_core_bytes(text, sizes, gdn_inner) + in_flight + gdn_core_backward_bytes(text, sizes)
     query, _, gated, _ = _attention_widths(text)
     in_flight = query * c * (2 if gated else 1) + hidden * c  # d output (and d gate), d residual
     return _attention_before_core_bytes(text, sizes, cp, sdpa) + in_flight + \

@@ -81,3 +81,23 @@ def test_the_chunked_losss_peak_is_one_chunks_logits_twice_and_the_float_weight_
     want = loss_bytes(settings, SimpleNamespace(vocab_size=vocab, hidden_size=hidden), bf16, tokens)
     assert got["backward"] == pytest.approx(want, rel=0.01), got
     assert got["forward"] < got["backward"]
+
+
+@pytest.mark.parametrize("checkpointing", ["checkpointed", "off"])
+def test_a_gdn_layer_with_its_core_inputs_checkpointed_holds_what_memory_py_counts(text, checkpointing):
+    """`train.gdn_checkpoint_core_inputs`: the ops before the core under their own checkpoint. Its
+    backward holds only the core's inputs of them (measured 170 -> 122 KB a token checkpointed),
+    and memory.py counts that within 1%."""
+    from layer_memory import expected_layer_bytes
+
+    def measured(inner: bool) -> dict:
+        from layer_memory import measure_layer, per_token
+
+        return per_token(lambda t: measure_layer(text, "linear_attention", checkpointing, t, gdn_inner=inner),
+                         SHORT, LONG)
+
+    got, plain = measured(True), measured(False)
+    want = expected_layer_bytes(text, "linear_attention", checkpointing, gdn_inner=True)
+    assert got["peak"] == pytest.approx(want["peak"], rel=0.01), (got, want)
+    assert got["kept"] == pytest.approx(want["kept"], rel=0.01), (got, want)
+    assert got["peak"] < plain["peak"] - 40 * 1024, (got, plain)  # the conv's and q/k's float copies: ~48 KB

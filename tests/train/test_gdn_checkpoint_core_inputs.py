@@ -1,0 +1,107 @@
+"""`train.gdn_checkpoint_core_inputs`: each GDN layer's ops before its core (projections, conv, q/k
+L2 norm, gates) under their own checkpoint, so that a layer's backward holds only the core's inputs
+of them (the bytes: tests/train/test_memory_layers.py). The same ops replayed: the layer equals the
+plain layer on adversarial inputs, and the trainer's run equals the plain run step by step, eager
+and compiled without a graph break; refused where it is not proven, one test per rule."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dist_utils import run_distributed
+from gdn_harness import CHUNK, TEXT, gdn_layer
+from test_trainer import _close, _curves, _run, qwen3_5_config, without_cp
+
+
+def _layer_run(seed: int, inner: bool, hidden, weight, mask, positions) -> list[torch.Tensor]:
+    from cpcompile.adapters.qwen3_5 import gdn_layer_forward
+
+    holder = gdn_layer(seed, torch.float64)
+    inputs = hidden.clone().requires_grad_()
+    out = gdn_layer_forward(holder.layer, inputs, mask, positions, chunk_size=CHUNK, backend="eager",
+                            checkpoint_core_inputs=inner)
+    (out * weight).sum().backward()
+    return [out, inputs.grad, *(p.grad for p in holder.parameters())]
+
+
+@pytest.mark.parametrize("case", ["correlated_keys", "documents", "padding"])
+def test_the_layer_with_its_core_inputs_checkpointed_is_the_layer(case):
+    seed = random.randrange(1 << 30)
+    torch.manual_seed(seed)
+    batch, length = 2, 24
+    hidden = torch.randn(batch, length, TEXT["hidden_size"], dtype=torch.float64)
+    mask = positions = None
+    if case == "correlated_keys":  # one token repeated with a little noise: nearly collinear keys
+        hidden[:, length // 3:] = hidden[:, :1] + 1e-3 * torch.randn_like(hidden[:, length // 3:])
+    if case == "documents":  # packed: the conv and the state restart at each document
+        positions = torch.cat([torch.arange(n) for n in (5, 11, 8)])[None]
+    if case == "padding":
+        mask = torch.ones(batch, length, dtype=torch.float64)
+        mask[0, -7:] = 0
+    weight = torch.randn(batch, length, TEXT["hidden_size"], dtype=torch.float64)
+    plain = _layer_run(seed, False, hidden, weight, mask, positions)
+    inner = _layer_run(seed, True, hidden, weight, mask, positions)
+    assert len(plain) == len(inner) and all(g is not None for g in plain)
+    for got, want in zip(inner, plain):
+        torch.testing.assert_close(got, want, rtol=1e-13, atol=1e-13)
+
+
+def _plain_and_inner(rank: int, world: int, seed: int) -> dict:
+    import torch._dynamo
+
+    def run(**train) -> list[tuple]:
+        config = without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer", **train))
+        return _curves(_run(config))
+
+    plain = run()
+    inner = run(gdn_checkpoint_core_inputs=True)
+    torch._dynamo.reset()
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    compiled = run(gdn_checkpoint_core_inputs=True, compile_backend="aot_eager")
+    return {"plain": plain, "inner": inner, "compiled": compiled, "graph_breaks": dict(counters["graph_break"]),
+            "unsupported": sum(counters["unimplemented"].values())}
+
+
+def test_the_trainer_with_gdn_core_inputs_checkpointed_follows_the_plain_run():
+    """cp 1, every layer checkpointed, float64: each step's loss, gradient norm and learning rate
+    within 1e-12 of the plain run's, eager and with the layers compiled (aot_eager; the nested
+    checkpoint compiles inside the layer's, no graph break)."""
+    (result,) = run_distributed(_plain_and_inner, 1, random.randrange(1 << 30), timeout=300)
+    assert _close(result["inner"], result["plain"], 1e-12), (result["inner"], result["plain"])
+    assert _close(result["compiled"], result["plain"], 1e-12), (result["compiled"], result["plain"])
+    assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
+
+
+def _refusal(config: dict) -> str:
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+
+    with pytest.raises(PlanError) as caught:
+        load_train_config(config)
+    return str(caught.value)
+
+
+def test_it_needs_cpcompiles_gdn_layers():
+    config = without_cp(qwen3_5_config(0, gdn_checkpoint_core_inputs=True))
+    config["train"].pop("gdn_backend")
+    message = _refusal(config)
+    assert "train.gdn_checkpoint_core_inputs" in message and "gdn_backend" in message
+
+
+def test_it_is_refused_under_cp():
+    message = _refusal(qwen3_5_config(0, cp=2, gdn_checkpoint_core_inputs=True))
+    assert "train.gdn_checkpoint_core_inputs" in message and "cp_size=2" in message
+
+
+def test_it_is_refused_with_selective_checkpointing():
+    config = without_cp(qwen3_5_config(0, gdn_checkpoint_core_inputs=True, activation_checkpointing="selective"))
+    message = _refusal(config)
+    assert "train.gdn_checkpoint_core_inputs" in message and "selective" in message
+
+
+def test_it_is_a_boolean():
+    message = _refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_core_inputs="yes")))
+    assert "train.gdn_checkpoint_core_inputs" in message
