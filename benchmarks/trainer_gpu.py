@@ -65,7 +65,8 @@ def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf")
                       "grad_clip": 1.0, "activation_checkpointing": ac, "gdn_backend": backend,
                       "loss": loss, "loss_chunk_tokens": args.loss_chunk_tokens,
                       "compile_backend": args.compile_backend, "device": args.device,
-                      "gdn_checkpoint_core_inputs": getattr(args, "gdn_checkpoint_core_inputs", False)},
+                      "gdn_checkpoint_core_inputs": getattr(args, "gdn_checkpoint_core_inputs", False),
+                      "offload_layer_inputs": getattr(args, "offload_layer_inputs", False)},
             "optimizer": {"warmup_steps": 2}}
 
 
@@ -201,6 +202,9 @@ def main() -> None:
     parser.add_argument("--gdn-checkpoint-core-inputs", action="store_true",
                         help="train.gdn_checkpoint_core_inputs (cp 1): less memory a token, one more forward of the "
                              "GDN layers' projections and conv")
+    parser.add_argument("--offload-layer-inputs", action="store_true",
+                        help="train.offload_layer_inputs: the checkpointed layers' inputs in host memory until their "
+                             "backward")
     simulation = parser.add_argument_group("per-rank simulation of a CP=N job on one device (simulate_cp.py)")
     simulation.add_argument("--simulate-cp", default=None, help="comma-separated CP sizes N, e.g. 2,4,8,16")
     simulation.add_argument("--tokens", default=None, help="global tokens a step: 128K,256K,512K,1M (--small: 64,128)")

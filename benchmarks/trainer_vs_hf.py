@@ -2,7 +2,7 @@
 
     python benchmarks/trainer_vs_hf.py                     # 32K, 64K, 128K, then the longest that fits
     options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 300 --total-seconds 450
-             --compile-backend inductor --gdn-checkpoint-core-inputs --methods cpcompile,hf,hf_fused_ce --out FILE
+             --compile-backend inductor --gdn-checkpoint-core-inputs --offload-layer-inputs --methods cpcompile,hf,hf_fused_ce --out FILE
     python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --out /tmp/r.md   # smoke (no search)
 
 Three ways to train the same model (trainer_gpu.py's Qwen3.5-shaped 0.57B, random weights, seed 0)
@@ -79,7 +79,8 @@ def build_cpcompile(args, seq_len: int, steps: int):
 
     settings = argparse.Namespace(cp=1, steps=steps, seq_len=seq_len, small=args.small, device=args.device,
                                   loss_chunk_tokens=args.loss_chunk_tokens, compile_backend=args.compile_backend,
-                                  gdn_backend=None, gdn_checkpoint_core_inputs=args.gdn_checkpoint_core_inputs)
+                                  gdn_backend=None, gdn_checkpoint_core_inputs=args.gdn_checkpoint_core_inputs,
+                                  offload_layer_inputs=args.offload_layer_inputs)
     trainer = build_trainer(load_train_config(config(settings, "chunked", "every_layer")))
     return (lambda index: trainer.step(index)["loss"]), trainer.model
 
@@ -399,6 +400,8 @@ def main() -> None:
     parser.add_argument("--compile-backend", default=None, help="the cpcompile trainer's train.compile_backend")
     parser.add_argument("--gdn-checkpoint-core-inputs", action="store_true",
                         help="the trainer's train.gdn_checkpoint_core_inputs (docs/trainer.md)")
+    parser.add_argument("--offload-layer-inputs", action="store_true",
+                        help="the trainer's train.offload_layer_inputs (docs/trainer.md)")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="trainer_gpu.py's tiny model (smoke runs)")

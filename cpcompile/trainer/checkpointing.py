@@ -99,6 +99,29 @@ def checkpoint_layers(layers: torch.nn.ModuleList, mode: ACMode) -> list[int]:
     return chosen
 
 
+def offload_layer_inputs(layers: torch.nn.ModuleList, mode: ACMode, pin_memory: bool) -> list[int]:
+    """Keep the inputs of the layers `mode` checkpoints in host memory between their forward and
+    their backward (`train.offload_layer_inputs`); -> their indices. The checkpoint saves its
+    inputs through autograd's saved-tensor hooks, outside its own, so PyTorch's `save_on_cpu`
+    around the layer's forward moves them (and nothing the checkpoint replays) to the host, and its
+    backward brings them back before the replay. Wraps the forward as given (compiled or not)."""
+    chosen = mode.layers(len(layers))
+    for index in chosen:
+        _offload_saved_tensors(layers[index], pin_memory)
+    return chosen
+
+
+def _offload_saved_tensors(layer: torch.nn.Module, pin_memory: bool) -> None:
+    inner = layer.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
+            return inner(*args, **kwargs)
+
+    layer.forward = forward
+
+
 def _checkpoint_forward(layer: torch.nn.Module, options: dict) -> None:
     inner = layer.forward
 

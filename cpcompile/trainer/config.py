@@ -45,6 +45,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # a layer's backward holds only the core's inputs (0.57B model: 170 ->
                                 # 122 KB a token) for one more forward of those ops; not with CP or
                                 # selective checkpointing yet
+      offload_layer_inputs: false  # true: the inputs the checkpointed layers keep (hidden size x 2 bytes
+                                # a token each in bf16) wait in host memory, pinned on CUDA, until their
+                                # backward (torch.autograd.graph.save_on_cpu); needs every_layer or every_n
       device: cpu               # cpu | cuda | npu
       dump_dir: null            # the rewritten graphs, one folder per rank: <dump_dir>/rank<r>
       metrics_file: null        # one JSON line per step (rank 0)
@@ -140,6 +143,7 @@ class TrainSettings:
     compile_backend: str | None = None
     gdn_backend: str | None = None
     gdn_checkpoint_core_inputs: bool = False
+    offload_layer_inputs: bool = False
     device: str = "cpu"
     dump_dir: str | None = None
     metrics_file: str | None = None
@@ -175,6 +179,11 @@ class TrainSettings:
         if self.gdn_checkpoint_core_inputs and self.ac_mode.kind == "selective":
             raise PlanError("train.gdn_checkpoint_core_inputs", "not with activation_checkpointing: selective (its "
                                                                 "policy would also rule the inner checkpoint)")
+        check_bool("train.offload_layer_inputs", self.offload_layer_inputs)
+        if self.offload_layer_inputs and self.ac_mode.kind not in ("every_layer", "every_n"):
+            raise PlanError("train.offload_layer_inputs", f"moves the inputs checkpointed layers keep; needs "
+                                                          f"activation_checkpointing every_layer or {{every_n: k}}, "
+                                                          f"got {short_repr(self.activation_checkpointing)}")
         self.precision_policy()
         return self
 

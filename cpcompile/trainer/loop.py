@@ -42,9 +42,9 @@ from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summar
 from .progress import Progress
 from .startup import check_before_building
 from .weights import load_pretrained, materialize
-from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_tensor_parallel, build_model,
-                          compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, parameter_count, rewritten_regions,
-                          use_cpcompile_gdn)
+from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_input_offload, apply_tensor_parallel,
+                          build_model, compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, parameter_count,
+                          rewritten_regions, use_cpcompile_gdn)
 
 
 def check_world_size(plan: Plan) -> None:
@@ -234,6 +234,8 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     apply_activation_checkpointing(model, settings.ac_mode)
     if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
         compile_layers(model, backend)
+    if settings.offload_layer_inputs:
+        apply_input_offload(model, settings.ac_mode, pin_memory=settings.device == "cuda")
     sharding = fsdp_mesh(mesh)
     apply_fsdp(model, sharding, settings)
     if on_meta:

@@ -43,7 +43,8 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   Qwen3.5) sigmoid(gate) and the product; the MLP gate, up, SiLU(gate) and their product
   (4 x intermediate x c); with `train.gdn_checkpoint_core_inputs` a GDN layer's ops before its core
   keep only the core's inputs (q and k in float, v in c, the gates: `_gdn_before_core_bytes`);
-- kept (`layer_kept_bytes`): a checkpointed layer its input (h x c); a `selective` one its input
+- kept (`layer_kept_bytes`): a checkpointed layer its input (h x c; nothing on the device with
+  `train.offload_layer_inputs`, until its own backward); a `selective` one its input
   and the outputs `checkpointing.selective_policy` saves (`selective_saved_bytes`: every matmul's,
   the core's — GDN's in float, q's dtype —, the gathered K/V); a layer left alone what it saved;
 - peak of its backward (`layer_peak_bytes`): the larger of two moments. The MLP's backward comes
@@ -127,9 +128,10 @@ def _layers_bytes(config: TrainConfig, text, sizes: "_ElementSizes", tokens: int
     """(what each decoder layer keeps, everything of it alive at its backward's peak), in bytes."""
     cp, sdpa, kinds = config.plan.accelerator.cp_size, _sdpa_method(config), layer_kinds(text)
     checkpointing = layer_checkpointing(config.train.ac_mode, len(kinds))
-    inner = config.train.gdn_checkpoint_core_inputs
-    kept = [layer_kept_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
-            for kind, ac in zip(kinds, checkpointing)]
+    inner, offload = config.train.gdn_checkpoint_core_inputs, config.train.offload_layer_inputs
+    # offloaded, a checkpointed layer's input is on the host until its backward (its peak counts it)
+    kept = [0 if offload and ac == "checkpointed" else layer_kept_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner)
+            * tokens for kind, ac in zip(kinds, checkpointing)]
     peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
              for kind, ac in zip(kinds, checkpointing)]
     return kept, peaks
