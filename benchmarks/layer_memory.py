@@ -7,9 +7,9 @@ checked against (tests/train/test_memory_layers.py).
 A layer of each kind (GDN, attention) of benchmarks/trainer_gpu.py's `MODEL`, in bfloat16 (what
 FSDP2's mixed precision computes in), runs its forward and backward checkpointed, selective or not
 checkpointed, while `LiveBytes` counts the bytes of the storages its ops create. Per kind and
-mode (and for GDN with the ops before its core under their own checkpoint,
-`train.gdn_checkpoint_core_inputs`), in bytes a token (the growth between two lengths, so that what does not grow with the
-length drops out), as memory.py names them:
+mode (and for GDN with the ops before and after its core under checkpoints of their own,
+`train.gdn_checkpoint_around_core`), in bytes a token (the growth between two lengths, so that
+what does not grow with the length drops out), as memory.py names them:
 
 - `kept`: what the layer keeps from its forward to its backward (a checkpointed layer's input
   included, which the checkpoint keeps);
@@ -131,14 +131,14 @@ def text_config(raw: dict):
 def decoder_layer(text, kind: str, dtype=torch.bfloat16, gdn_inner: bool = False) -> torch.nn.Module:
     """A decoder layer of `kind` of the model `text` describes, in `dtype`, its GDN core on
     cpcompile's Triton backend (trainer/parallelize.py `use_cpcompile_gdn`; `gdn_inner`: the ops
-    before the core under their own checkpoint, `train.gdn_checkpoint_core_inputs`)."""
+    before the core under their own checkpoint, `train.gdn_checkpoint_around_core`)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
     from cpcompile.trainer.parallelize import use_cpcompile_gdn
 
     torch.manual_seed(0)
     layer = Qwen3_5DecoderLayer(text, text.layer_types.index(kind)).to(dtype)
-    use_cpcompile_gdn(layer, "triton", checkpoint_core_inputs=gdn_inner)
+    use_cpcompile_gdn(layer, "triton", checkpoint_around_core=gdn_inner)
     return layer
 
 
@@ -274,7 +274,7 @@ def main() -> None:
     for kind, checkpointing, inner in rows:
         got = per_token(lambda t: measure_layer(text, kind, checkpointing, t, gdn_inner=inner), short, long)
         want = expected_layer_bytes(text, kind, checkpointing, gdn_inner=inner)
-        name = f"{checkpointing}{' + core inputs checkpointed' if inner else ''}"
+        name = f"{checkpointing}{' + checkpointed around the core' if inner else ''}"
         print(f"| {kind} | {name} | {got['kept']:.0f} | {got['peak']:.0f} | {want['kept']} | "
               f"{want['peak']} |", flush=True)
     norm = per_token(lambda t: {"kept": measure_final_norm(text, t)}, short, long)["kept"]

@@ -65,7 +65,7 @@ def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf")
                       "grad_clip": 1.0, "activation_checkpointing": ac, "gdn_backend": backend,
                       "loss": loss, "loss_chunk_tokens": args.loss_chunk_tokens,
                       "compile_backend": args.compile_backend, "device": args.device,
-                      "gdn_checkpoint_core_inputs": getattr(args, "gdn_checkpoint_core_inputs", False),
+                      "gdn_checkpoint_around_core": getattr(args, "gdn_checkpoint_around_core", False),
                       "offload_layer_inputs": getattr(args, "offload_layer_inputs", False)},
             "optimizer": {"warmup_steps": 2}}
 
@@ -199,9 +199,9 @@ def main() -> None:
     parser.add_argument("--gdn-backend", default=None, choices=("triton", "eager"),
                         help="default: triton on cuda, eager on cpu (triton on cpu: TRITON_INTERPRET=1)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same shape family (smoke runs)")
-    parser.add_argument("--gdn-checkpoint-core-inputs", action="store_true",
-                        help="train.gdn_checkpoint_core_inputs (cp 1): less memory a token, one more forward of the "
-                             "GDN layers' projections and conv")
+    parser.add_argument("--gdn-checkpoint-around-core", action="store_true",
+                        help="train.gdn_checkpoint_around_core (cp 1): less memory a token, one more forward of the "
+                             "GDN layers' projections, conv, gated norm and out_proj")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="train.offload_layer_inputs: the checkpointed layers' inputs in host memory until their "
                              "backward")

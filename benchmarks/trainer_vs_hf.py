@@ -2,7 +2,8 @@
 
     python benchmarks/trainer_vs_hf.py                     # 32K, 64K, 128K, then the longest that fits
     options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 300 --total-seconds 450
-             --compile-backend inductor --gdn-checkpoint-core-inputs --offload-layer-inputs --methods cpcompile,hf,hf_fused_ce --out FILE
+             --compile-backend inductor --gdn-checkpoint-around-core --offload-layer-inputs
+             --methods cpcompile,hf,hf_fused_ce --out FILE
     python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --out /tmp/r.md   # smoke (no search)
 
 Three ways to train the same model (trainer_gpu.py's Qwen3.5-shaped 0.57B, random weights, seed 0)
@@ -22,9 +23,9 @@ clipping at 1.0, batch 1:
   fla-core 0.6 refuses its gated backward on Hopper with Triton < 3.7.1 (its issue #640); for timing
   the guard is lifted, as in gdn_kernels.py (no correctness claim rests on the peer's gradients).
 - `hf_fused_ce`: the same, the loss by a fused linear cross-entropy on the last hidden state
-  (cut-cross-entropy's `linear_cross_entropy` on bf16 casts of the hidden state and head, else liger-kernel's `LigerFusedLinearCrossEntropyLoss`);
-  without either installed the row says so. transformers 5.x has no fused linear cross-entropy of
-  its own.
+  (cut-cross-entropy's `linear_cross_entropy` on bf16 casts of the hidden state and head, else
+  liger-kernel's `LigerFusedLinearCrossEntropyLoss`); without either installed the row says so.
+  transformers 5.x has no fused linear cross-entropy of its own.
 
 Each attempt (method, length) runs in a fresh subprocess, so an out-of-memory attempt cannot spoil
 the next one. Lengths: `--seq-lens`, then doubling from the last one that fit up to `--max-seq-len`
@@ -79,7 +80,7 @@ def build_cpcompile(args, seq_len: int, steps: int):
 
     settings = argparse.Namespace(cp=1, steps=steps, seq_len=seq_len, small=args.small, device=args.device,
                                   loss_chunk_tokens=args.loss_chunk_tokens, compile_backend=args.compile_backend,
-                                  gdn_backend=None, gdn_checkpoint_core_inputs=args.gdn_checkpoint_core_inputs,
+                                  gdn_backend=None, gdn_checkpoint_around_core=args.gdn_checkpoint_around_core,
                                   offload_layer_inputs=args.offload_layer_inputs)
     trainer = build_trainer(load_train_config(config(settings, "chunked", "every_layer")))
     return (lambda index: trainer.step(index)["loss"]), trainer.model
@@ -398,8 +399,8 @@ def main() -> None:
     parser.add_argument("--total-seconds", type=float, default=450.0, help="for the whole run")
     parser.add_argument("--loss-chunk-tokens", type=int, default=4096)
     parser.add_argument("--compile-backend", default=None, help="the cpcompile trainer's train.compile_backend")
-    parser.add_argument("--gdn-checkpoint-core-inputs", action="store_true",
-                        help="the trainer's train.gdn_checkpoint_core_inputs (docs/trainer.md)")
+    parser.add_argument("--gdn-checkpoint-around-core", action="store_true",
+                        help="the trainer's train.gdn_checkpoint_around_core (docs/trainer.md)")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="the trainer's train.offload_layer_inputs (docs/trainer.md)")
     parser.add_argument("--peak-tflops", type=float, default=989.0)

@@ -93,7 +93,7 @@ def gdn_projections(layer: nn.Module, hidden_states: torch.Tensor) -> tuple[torc
 
 def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
                       document_positions: torch.Tensor | None = None, *, chunk_size: int,
-                      backend: str, checkpoint_core_inputs: bool = False) -> torch.Tensor:
+                      backend: str, checkpoint_around_core: bool = False) -> torch.Tensor:
     """One Qwen3.5 or Qwen3-Next GDN layer (training, no cache), as the graph CP rewrites see it.
 
     `document_positions` (`[B or 1, T]`, a packed batch only) are the tokens' positions inside
@@ -101,17 +101,18 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     document (`conv_within_documents`). Positions are all the layer needs, on a CP rank too: the
     halo the rewrite fills in comes from before a token only when its position says it may.
 
-    `checkpoint_core_inputs` (the trainer's `train.gdn_checkpoint_core_inputs`, without CP) runs
-    `gdn_core_inputs` under its own non-reentrant checkpoint: its saved tensors (the conv's input
-    and outputs, q and k in float before and after their L2 norm) are not held while the core's
-    backward runs, only the core's inputs; they are recomputed once more after it.
+    `checkpoint_around_core` (the trainer's `train.gdn_checkpoint_around_core`, without CP) runs
+    `gdn_core_inputs`, and the gated norm with out_proj after the core, each under its own
+    non-reentrant checkpoint: what those ops save (the conv's input and outputs, q and k in float
+    before and after their L2 norm, the gated norm's float copies) is not held during the layer's
+    backward beyond their own, only the core's inputs and output; they are recomputed once more.
     """
     if getattr(layer, "activation", "silu") not in ("silu", "swish"):
         raise CPInputError(f"{type(layer).__name__}: GDN context parallelism states the layer's conv with SiLU, "
                            f"the layer has activation {layer.activation!r}")
     batch, length, _ = hidden_states.shape
     value_dim = layer.head_v_dim
-    if checkpoint_core_inputs:
+    if checkpoint_around_core:
         def inputs(hidden):  # v as its own tensor: a view would hold the whole SiLU output alive
             query, key, value, *rest = gdn_core_inputs(layer, hidden, attention_mask, document_positions)
             return query, key, value.contiguous(), *rest
@@ -122,8 +123,13 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, layer.head_k_dim**-0.5, chunk_size,
                                          backend, starts)
     core = core.to(value.dtype)
-    core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
-    return layer.out_proj(core.reshape(batch, length, -1))
+
+    def output(core, z):  # the gated norm and out_proj
+        core = layer.norm(core.reshape(-1, value_dim), z.reshape(-1, value_dim))
+        return layer.out_proj(core.reshape(batch, length, -1))
+    if checkpoint_around_core:
+        return checkpoint(output, core, z, use_reentrant=False)
+    return output(core, z)
 
 
 def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,

@@ -40,11 +40,12 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # eager: not compiled; null: inductor on CUDA at cp 1, else eager
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path
-      gdn_checkpoint_core_inputs: false  # true: each GDN layer run by gdn_backend puts the ops before its
-                                # core (projections, conv, q/k L2 norm) under their own checkpoint, so
-                                # a layer's backward holds only the core's inputs (0.57B model: 170 ->
-                                # 122 KB a token) for one more forward of those ops; not with CP or
-                                # selective checkpointing yet
+      gdn_checkpoint_around_core: false  # true: each GDN layer run by gdn_backend puts the ops before its
+                                # core (projections, conv, q/k L2 norm) and after it (gated norm,
+                                # out_proj) under checkpoints of their own, so a layer's backward holds
+                                # only the core's inputs and output of them (0.57B model: 170 -> 110 KB
+                                # a token) for one more forward of those ops; not with CP or selective
+                                # checkpointing yet
       offload_layer_inputs: false  # true: the inputs the checkpointed layers keep (hidden size x 2 bytes
                                 # a token each in bf16) wait in host memory, pinned on CUDA, until their
                                 # backward (torch.autograd.graph.save_on_cpu); needs every_layer or every_n
@@ -142,7 +143,7 @@ class TrainSettings:
     loss_chunk_tokens: int = 4096
     compile_backend: str | None = None
     gdn_backend: str | None = None
-    gdn_checkpoint_core_inputs: bool = False
+    gdn_checkpoint_around_core: bool = False
     offload_layer_inputs: bool = False
     device: str = "cpu"
     dump_dir: str | None = None
@@ -172,13 +173,13 @@ class TrainSettings:
         if self.compile_backend not in (None, EAGER):
             check_compile_backend("train.compile_backend", self.compile_backend)
         check_bool("train.verify", self.verify)
-        check_bool("train.gdn_checkpoint_core_inputs", self.gdn_checkpoint_core_inputs)
-        if self.gdn_checkpoint_core_inputs and self.gdn_backend is None:
-            raise PlanError("train.gdn_checkpoint_core_inputs", "needs train.gdn_backend (eager or triton): it "
-                                                                "applies to the GDN layers cpcompile runs")
-        if self.gdn_checkpoint_core_inputs and self.ac_mode.kind == "selective":
-            raise PlanError("train.gdn_checkpoint_core_inputs", "not with activation_checkpointing: selective (its "
-                                                                "policy would also rule the inner checkpoint)")
+        check_bool("train.gdn_checkpoint_around_core", self.gdn_checkpoint_around_core)
+        if self.gdn_checkpoint_around_core and self.gdn_backend is None:
+            raise PlanError("train.gdn_checkpoint_around_core", "needs train.gdn_backend (eager or triton): it "
+                                                                 "applies to the GDN layers cpcompile runs")
+        if self.gdn_checkpoint_around_core and self.ac_mode.kind == "selective":
+            raise PlanError("train.gdn_checkpoint_around_core", "not with activation_checkpointing: selective (its "
+                                                                 "policy would also rule the inner checkpoints)")
         check_bool("train.offload_layer_inputs", self.offload_layer_inputs)
         if self.offload_layer_inputs and self.ac_mode.kind not in ("every_layer", "every_n"):
             raise PlanError("train.offload_layer_inputs", f"moves the inputs checkpointed layers keep; needs "
@@ -349,10 +350,10 @@ def load_train_config(source: str | dict) -> TrainConfig:
     # model_config refuses a model type or key transformers does not know, before any process starts
     transformers_config = model_config(model)
     check_layer_count(config.train.ac_mode, transformers_config.get_text_config().num_hidden_layers)
-    if config.train.gdn_checkpoint_core_inputs and plan.cp_size > 1:
-        raise PlanError("train.gdn_checkpoint_core_inputs", f"is for GDN layers run outside CP; cp_size={plan.cp_size} "
-                                                            "rewrites them, and the inner checkpoint is not proven "
-                                                            "inside a CP rewrite yet")
+    if config.train.gdn_checkpoint_around_core and plan.cp_size > 1:
+        raise PlanError("train.gdn_checkpoint_around_core", f"is for GDN layers run outside CP; cp_size="
+                                                            f"{plan.cp_size} rewrites them, and inner checkpoints "
+                                                            "are not proven inside a CP rewrite yet")
     _check_tensor_parallel(config, transformers_config)
     if config.data.source != "synthetic":  # the tokenizer serves the model: said before any process starts
         tokenizer_for(config.data, transformers_config.get_text_config().vocab_size)

@@ -230,7 +230,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     progress.at("compile")
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=probe_inputs(model, first))
     progress.at("start")
-    use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_core_inputs)
+    use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
     apply_activation_checkpointing(model, settings.ac_mode)
     if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
         compile_layers(model, backend)
@@ -265,7 +265,7 @@ def _references(config: TrainConfig, pretrained: str | None) -> dict[str, tuple]
         use_loss(model, variant)
         if pretrained is not None:
             load_pretrained(model, pretrained)
-        use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_core_inputs)
+        use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
         references[name] = (model, *build_optimizer(model, config))
     return references
 

@@ -41,8 +41,9 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   after RoPE and v (K/V x the Ulysses replicas), under AllGather the other ranks' K and V
   (2 x KV width x c x (cp - 1)), the output and its log-sum-exp, with an output gate (Qwen3-Next /
   Qwen3.5) sigmoid(gate) and the product; the MLP gate, up, SiLU(gate) and their product
-  (4 x intermediate x c); with `train.gdn_checkpoint_core_inputs` a GDN layer's ops before its core
-  keep only the core's inputs (q and k in float, v in c, the gates: `_gdn_before_core_bytes`);
+  (4 x intermediate x c); with `train.gdn_checkpoint_around_core` a GDN layer's ops before and
+  after its core keep only their inputs and outputs (q and k in float, v in c, the gates; the core's
+  output and z in c: `_gdn_before_core_bytes`, `_gdn_after_core_bytes`);
 - kept (`layer_kept_bytes`): a checkpointed layer its input (h x c; nothing on the device with
   `train.offload_layer_inputs`, until its own backward); a `selective` one its input
   and the outputs `checkpointing.selective_policy` saves (`selective_saved_bytes`: every matmul's,
@@ -128,10 +129,11 @@ def _layers_bytes(config: TrainConfig, text, sizes: "_ElementSizes", tokens: int
     """(what each decoder layer keeps, everything of it alive at its backward's peak), in bytes."""
     cp, sdpa, kinds = config.plan.accelerator.cp_size, _sdpa_method(config), layer_kinds(text)
     checkpointing = layer_checkpointing(config.train.ac_mode, len(kinds))
-    inner, offload = config.train.gdn_checkpoint_core_inputs, config.train.offload_layer_inputs
+    inner, offload = config.train.gdn_checkpoint_around_core, config.train.offload_layer_inputs
     # offloaded, a checkpointed layer's input is on the host until its backward (its peak counts it)
-    kept = [0 if offload and ac == "checkpointed" else layer_kept_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner)
-            * tokens for kind, ac in zip(kinds, checkpointing)]
+    kept = [0 if offload and ac == "checkpointed" else
+            layer_kept_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
+            for kind, ac in zip(kinds, checkpointing)]
     peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
              for kind, ac in zip(kinds, checkpointing)]
     return kept, peaks
@@ -234,7 +236,7 @@ def layer_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str,
     mixer's (the input norm's included), the second norm's and the MLP's gate, up, SiLU(gate) and
     their product."""
     if kind == "linear_attention":
-        mixer = _gdn_before_core_bytes(text, sizes, gdn_inner) + _gdn_after_core_bytes(text, sizes)
+        mixer = _gdn_before_core_bytes(text, sizes, gdn_inner) + _gdn_after_core_bytes(text, sizes, gdn_inner)
     else:
         mixer = _attention_before_core_bytes(text, sizes, cp, sdpa) + _attention_after_core_bytes(text, sizes)
     return mixer + norm_bytes(text.hidden_size, sizes) + 4 * text.intermediate_size * sizes.compute
@@ -244,7 +246,7 @@ def _gdn_before_core_bytes(text, sizes: _ElementSizes, inner: bool = False) -> i
     """What a GDN layer's ops before its core keep, a token: the input norm's; the conv's padded
     input, its output and SiLU's output (3 x conv channels in c); q and k upcast to float and
     L2-normalised (two float copies each); the gates g and beta. With those ops under their own
-    checkpoint (`inner`: `train.gdn_checkpoint_core_inputs`) only the core's inputs: q and k
+    checkpoint (`inner`: `train.gdn_checkpoint_around_core`) only the core's inputs: q and k
     normalised (float), v (its own copy, in c) and the gates."""
     key, value, value_heads = _gdn_widths(text)
     conv = (value if inner else 3 * (2 * key + value)) * sizes.compute
@@ -253,11 +255,12 @@ def _gdn_before_core_bytes(text, sizes: _ElementSizes, inner: bool = False) -> i
     return norm_bytes(text.hidden_size, sizes) + conv + qk + gates
 
 
-def _gdn_after_core_bytes(text, sizes: _ElementSizes) -> int:
+def _gdn_after_core_bytes(text, sizes: _ElementSizes, inner: bool = False) -> int:
     """What a GDN layer keeps after its core, a token: the gated RMSNorm's float copies (core
-    output, gate, SiLU(gate)) and its three results in c, the last out_proj's input."""
+    output, gate, SiLU(gate)) and its three results in c, the last out_proj's input; with those
+    ops under their own checkpoint (`inner`) only their inputs, the core's output and z in c."""
     _, value, _ = _gdn_widths(text)
-    return value * (3 * sizes.float + 3 * sizes.compute)
+    return 2 * value * sizes.compute if inner else value * (3 * sizes.float + 3 * sizes.compute)
 
 
 def _attention_before_core_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
@@ -338,7 +341,8 @@ def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: s
     if kind == "linear_attention":
         _, value, _ = _gdn_widths(text)
         in_flight = value * sizes.float + value * c + hidden * c  # d core output (float), dz, d residual
-        return _gdn_before_core_bytes(text, sizes, gdn_inner) + in_flight + gdn_core_backward_bytes(text, sizes)
+        buffers = gdn_core_backward_bytes(text, sizes) - (value * c if gdn_inner else 0)  # v contiguous: no copy
+        return _gdn_before_core_bytes(text, sizes, gdn_inner) + in_flight + buffers
     query, _, gated, _ = _attention_widths(text)
     in_flight = query * c * (2 if gated else 1) + hidden * c  # d output (and d gate), d residual
     return _attention_before_core_bytes(text, sizes, cp, sdpa) + in_flight + \

@@ -87,14 +87,14 @@ def meta_model(raw_model_config: dict) -> torch.nn.Module:
 
 
 def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool = False,
-                      checkpoint_core_inputs: bool = False) -> int:
+                      checkpoint_around_core: bool = False) -> int:
     """Route every GDN layer that CP did not rewrite through cpcompile's statement of the layer
     with the `backend` core (the same algorithm as the rewritten layers); -> how many.
 
     With `packing`, those layers reset their state and conv at every document start, read from the
     model call's `position_ids` (a GDN layer's own call lacks them); transformers' path (no
-    `backend`) would run across documents, so it is refused here. `checkpoint_core_inputs`: each
-    layer's ops before its core run under their own checkpoint (`gdn_layer_forward`)."""
+    `backend`) would run across documents, so it is refused here. `checkpoint_around_core`: each
+    layer's ops before and after its core run under checkpoints of their own (`gdn_layer_forward`)."""
     layers = [m for m in model.modules() if is_gdn_layer(m) and not hasattr(m, REWRITTEN_MARK)]
     if packing and layers and backend is None:
         raise PlanError("train.gdn_backend", f"data.packing: {len(layers)} GDN layer(s) run outside CP, and "
@@ -107,7 +107,7 @@ def use_cpcompile_gdn(model: torch.nn.Module, backend: str | None, packing: bool
     def forward(self, hidden_states, attention_mask=None, **_):
         positions = documents.positions if documents is not None else None
         return gdn_layer_forward(self, hidden_states, attention_mask, positions, chunk_size=CHUNK_SIZE,
-                                 backend=backend, checkpoint_core_inputs=checkpoint_core_inputs)
+                                 backend=backend, checkpoint_around_core=checkpoint_around_core)
 
     for layer in layers:
         layer.forward = types.MethodType(forward, layer)

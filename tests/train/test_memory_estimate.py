@@ -125,9 +125,10 @@ def test_the_checkpointing_modes_order_the_activations(model):
 
 def test_the_lower_memory_switches_take_off_what_they_move(model):
     """`offload_layer_inputs` takes every checkpointed layer's kept input off the device (the final
-    norm's saved tensors stay); `gdn_checkpoint_core_inputs` takes the GDN replay's saved conv and
-    q/k copies (48 KB a token) off each GDN layer's peak. At 1M tokens, cp 1, both together put the
-    peak under the H200's 139.8 GiB, neither alone does."""
+    norm's saved tensors stay); `gdn_checkpoint_around_core` takes the GDN replay's saved conv, q/k
+    and gated-norm copies off each GDN layer's peak (measured 170 -> 110 KB a token, the core's
+    moment then the larger). At 1M tokens, cp 1, both together put the peak under the H200's
+    139.8 GiB, neither alone does."""
     import dataclasses
 
     from cpcompile.trainer.loop import memory_estimate
@@ -142,11 +143,11 @@ def test_the_lower_memory_switches_take_off_what_they_move(model):
         return memory_estimate(config, params, model.config)
 
     base, offload = estimate(), estimate(offload_layer_inputs=True)
-    inner, both = estimate(gdn_checkpoint_core_inputs=True), estimate(offload_layer_inputs=True,
-                                                                      gdn_checkpoint_core_inputs=True)
+    inner, both = estimate(gdn_checkpoint_around_core=True), estimate(offload_layer_inputs=True,
+                                                                      gdn_checkpoint_around_core=True)
     final_norm = final_norm_bytes(text, _ElementSizes(param=4, compute=2, reduce=4)) * tokens / 2 ** 30
     assert offload["activations"] == pytest.approx(final_norm)
     assert base["activations"] - offload["activations"] == pytest.approx(text.num_hidden_layers * text.hidden_size
                                                                          * 2 * tokens / 2 ** 30)
-    assert base["layer_backward"] - inner["layer_backward"] == pytest.approx(48 * 1024 * tokens / 2 ** 30, rel=0.01)
+    assert base["layer_backward"] - inner["layer_backward"] == pytest.approx(60 * 1024 * tokens / 2 ** 30, rel=0.02)
     assert min(base["total"], offload["total"], inner["total"]) > 139.8 > both["total"]

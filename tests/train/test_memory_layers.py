@@ -84,10 +84,10 @@ def test_the_chunked_losss_peak_is_one_chunks_logits_twice_and_the_float_weight_
 
 
 @pytest.mark.parametrize("checkpointing", ["checkpointed", "off"])
-def test_a_gdn_layer_with_its_core_inputs_checkpointed_holds_what_memory_py_counts(text, checkpointing):
-    """`train.gdn_checkpoint_core_inputs`: the ops before the core under their own checkpoint. Its
-    backward holds only the core's inputs of them (measured 170 -> 122 KB a token checkpointed),
-    and memory.py counts that within 1%."""
+def test_a_gdn_layer_checkpointed_around_its_core_holds_what_memory_py_counts(text, checkpointing):
+    """`train.gdn_checkpoint_around_core`: the ops before and after the core under checkpoints of
+    their own. Its backward holds only the core's inputs and output of them (measured 170 -> 110 KB
+    a token checkpointed: the core's moment is then the larger), and memory.py counts that within 1%."""
     from layer_memory import expected_layer_bytes
 
     def measured(inner: bool) -> dict:
@@ -100,4 +100,4 @@ def test_a_gdn_layer_with_its_core_inputs_checkpointed_holds_what_memory_py_coun
     want = expected_layer_bytes(text, "linear_attention", checkpointing, gdn_inner=True)
     assert got["peak"] == pytest.approx(want["peak"], rel=0.01), (got, want)
     assert got["kept"] == pytest.approx(want["kept"], rel=0.01), (got, want)
-    assert got["peak"] < plain["peak"] - 40 * 1024, (got, plain)  # the conv's and q/k's float copies: ~48 KB
+    assert got["peak"] < plain["peak"] - 50 * 1024, (got, plain)  # the conv's, q/k's and the norm's copies

@@ -1,6 +1,7 @@
-"""`train.gdn_checkpoint_core_inputs`: each GDN layer's ops before its core (projections, conv, q/k
-L2 norm, gates) under their own checkpoint, so that a layer's backward holds only the core's inputs
-of them (the bytes: tests/train/test_memory_layers.py). The same ops replayed: the layer equals the
+"""`train.gdn_checkpoint_around_core`: each GDN layer's ops before its core (projections, conv, q/k
+L2 norm, gates) and after it (gated norm, out_proj) under checkpoints of their own, so that a
+layer's backward holds only the core's inputs and output of them (the bytes:
+tests/train/test_memory_layers.py). The same ops replayed: the layer equals the
 plain layer on adversarial inputs, and the trainer's run equals the plain run step by step, eager
 and compiled without a graph break; refused where it is not proven, one test per rule."""
 from __future__ import annotations
@@ -21,13 +22,13 @@ def _layer_run(seed: int, inner: bool, hidden, weight, mask, positions) -> list[
     holder = gdn_layer(seed, torch.float64)
     inputs = hidden.clone().requires_grad_()
     out = gdn_layer_forward(holder.layer, inputs, mask, positions, chunk_size=CHUNK, backend="eager",
-                            checkpoint_core_inputs=inner)
+                            checkpoint_around_core=inner)
     (out * weight).sum().backward()
     return [out, inputs.grad, *(p.grad for p in holder.parameters())]
 
 
 @pytest.mark.parametrize("case", ["correlated_keys", "documents", "padding"])
-def test_the_layer_with_its_core_inputs_checkpointed_is_the_layer(case):
+def test_the_layer_checkpointed_around_its_core_is_the_layer(case):
     seed = random.randrange(1 << 30)
     torch.manual_seed(seed)
     batch, length = 2, 24
@@ -56,16 +57,16 @@ def _plain_and_inner(rank: int, world: int, seed: int) -> dict:
         return _curves(_run(config))
 
     plain = run()
-    inner = run(gdn_checkpoint_core_inputs=True)
+    inner = run(gdn_checkpoint_around_core=True)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = run(gdn_checkpoint_core_inputs=True, compile_backend="aot_eager")
+    compiled = run(gdn_checkpoint_around_core=True, compile_backend="aot_eager")
     return {"plain": plain, "inner": inner, "compiled": compiled, "graph_breaks": dict(counters["graph_break"]),
             "unsupported": sum(counters["unimplemented"].values())}
 
 
-def test_the_trainer_with_gdn_core_inputs_checkpointed_follows_the_plain_run():
+def test_the_trainer_checkpointed_around_the_gdn_core_follows_the_plain_run():
     """cp 1, every layer checkpointed, float64: each step's loss, gradient norm and learning rate
     within 1e-12 of the plain run's, eager and with the layers compiled (aot_eager; the nested
     checkpoint compiles inside the layer's, no graph break)."""
@@ -85,23 +86,23 @@ def _refusal(config: dict) -> str:
 
 
 def test_it_needs_cpcompiles_gdn_layers():
-    config = without_cp(qwen3_5_config(0, gdn_checkpoint_core_inputs=True))
+    config = without_cp(qwen3_5_config(0, gdn_checkpoint_around_core=True))
     config["train"].pop("gdn_backend")
     message = _refusal(config)
-    assert "train.gdn_checkpoint_core_inputs" in message and "gdn_backend" in message
+    assert "train.gdn_checkpoint_around_core" in message and "gdn_backend" in message
 
 
 def test_it_is_refused_under_cp():
-    message = _refusal(qwen3_5_config(0, cp=2, gdn_checkpoint_core_inputs=True))
-    assert "train.gdn_checkpoint_core_inputs" in message and "cp_size=2" in message
+    message = _refusal(qwen3_5_config(0, cp=2, gdn_checkpoint_around_core=True))
+    assert "train.gdn_checkpoint_around_core" in message and "cp_size=2" in message
 
 
 def test_it_is_refused_with_selective_checkpointing():
-    config = without_cp(qwen3_5_config(0, gdn_checkpoint_core_inputs=True, activation_checkpointing="selective"))
+    config = without_cp(qwen3_5_config(0, gdn_checkpoint_around_core=True, activation_checkpointing="selective"))
     message = _refusal(config)
-    assert "train.gdn_checkpoint_core_inputs" in message and "selective" in message
+    assert "train.gdn_checkpoint_around_core" in message and "selective" in message
 
 
 def test_it_is_a_boolean():
-    message = _refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_core_inputs="yes")))
-    assert "train.gdn_checkpoint_core_inputs" in message
+    message = _refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_around_core="yes")))
+    assert "train.gdn_checkpoint_around_core" in message
