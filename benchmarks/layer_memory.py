@@ -131,7 +131,7 @@ def text_config(raw: dict):
 def decoder_layer(text, kind: str, dtype=torch.bfloat16, gdn_inner: bool = False) -> torch.nn.Module:
     """A decoder layer of `kind` of the model `text` describes, in `dtype`, its GDN core on
     cpcompile's Triton backend (trainer/parallelize.py `use_cpcompile_gdn`; `gdn_inner`: the ops
-    before the core under their own checkpoint, `train.gdn_checkpoint_around_core`)."""
+    before and after the core under checkpoints of their own, `train.gdn_checkpoint_around_core`)."""
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5DecoderLayer
 
     from cpcompile.trainer.parallelize import use_cpcompile_gdn

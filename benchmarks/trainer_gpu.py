@@ -200,8 +200,9 @@ def main() -> None:
                         help="default: triton on cuda, eager on cpu (triton on cpu: TRITON_INTERPRET=1)")
     parser.add_argument("--small", action="store_true", help="a tiny model of the same shape family (smoke runs)")
     parser.add_argument("--gdn-checkpoint-around-core", action="store_true",
-                        help="train.gdn_checkpoint_around_core (cp 1): less memory a token, one more forward of the "
-                             "GDN layers' projections, conv, gated norm and out_proj")
+                        help="train.gdn_checkpoint_around_core (cp 1, eager layers: with --compile-backend eager on "
+                             "cuda): less memory a token, one more forward of the GDN layers' projections, conv, "
+                             "gated norm and out_proj")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="train.offload_layer_inputs: the checkpointed layers' inputs in host memory until their "
                              "backward")

@@ -65,7 +65,8 @@ if has trainer; then
   [ "$what" = simulate ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp "${CP_SIZES:-2,4}" \
     --tokens "${TOKENS:-128K,256K}" --sdpa "${SDPA:-all_gather}" --max-seconds 570 2>&1 | tee "$out/simulate.log" | grep "^|"
   # does 512K fit, for one method (METHOD=cpcompile|hf_fused_ce; ~4-6 min each; for the trainer's lower-memory
-  # switches EXTRA="--gdn-checkpoint-around-core --offload-layer-inputs" LENGTHS=1M): the longest-length
+  # switches EXTRA="--gdn-checkpoint-around-core --offload-layer-inputs --compile-backend eager" LENGTHS=1M,
+  # WARMUP=1): the longest-length
   # question of trainer_vs_hf.py without its doubling from 32K (the 32K-128K rows are in its results)
   [ "$what" = longest ] && timeout 590 python3 benchmarks/trainer_vs_hf.py --methods "${METHOD:-hf_fused_ce}" \
     --seq-lens "${LENGTHS:-512K}" --warmup "${WARMUP:-2}" --repeat 1 --max-seconds 575 --total-seconds 580 ${EXTRA:-} \

@@ -100,26 +100,52 @@ def checkpoint_layers(layers: torch.nn.ModuleList, mode: ACMode) -> list[int]:
 
 
 def offload_layer_inputs(layers: torch.nn.ModuleList, mode: ACMode, pin_memory: bool) -> list[int]:
-    """Keep the inputs of the layers `mode` checkpoints in host memory between their forward and
-    their backward (`train.offload_layer_inputs`); -> their indices. The checkpoint saves its
-    inputs through autograd's saved-tensor hooks, outside its own, so PyTorch's `save_on_cpu`
-    around the layer's forward moves them (and nothing the checkpoint replays) to the host, and its
-    backward brings them back before the replay. Wraps the forward as given (compiled or not)."""
+    """Keep the hidden-state input of the layers `mode` checkpoints in host memory between their
+    forward and their backward (`train.offload_layer_inputs`); -> their indices. The checkpoint
+    saves its positional inputs through autograd's saved-tensor hooks, outside its own, so hooks
+    around the layer's forward see the input and nothing the checkpoint replays; the backward
+    brings it back before the replay. Only that tensor moves: PyTorch's `save_on_cpu` would move
+    everything saved there, which for an eager layer is the same, but for a compiled one includes
+    its parameters (FSDP2's unsharded copies) and the rotary tables."""
     chosen = mode.layers(len(layers))
     for index in chosen:
-        _offload_saved_tensors(layers[index], pin_memory)
+        _offload_hidden_states(layers[index], pin_memory)
     return chosen
 
 
-def _offload_saved_tensors(layer: torch.nn.Module, pin_memory: bool) -> None:
+def _offload_hidden_states(layer: torch.nn.Module, pin_memory: bool) -> None:
     inner = layer.forward
 
     @functools.wraps(inner)
-    def forward(*args, **kwargs):
-        with torch.autograd.graph.save_on_cpu(pin_memory=pin_memory):
-            return inner(*args, **kwargs)
+    def forward(hidden_states, *args, **kwargs):
+        with torch.autograd.graph.saved_tensors_hooks(*_to_host_hooks(hidden_states, pin_memory)):
+            return inner(hidden_states, *args, **kwargs)
 
     layer.forward = forward
+
+
+def _to_host_hooks(moved: torch.Tensor, pin_memory: bool):
+    """(pack, unpack): `moved` goes to host memory (pinned: its copies are asynchronous, ordered on
+    the stream that made it) and comes back to its device; any other saved tensor stays as it is.
+    `moved` is recognised by its data, not its identity: a compiled layer saves an alias of it."""
+    def is_moved(tensor) -> bool:
+        return (tensor.data_ptr() == moved.data_ptr() and tensor.shape == moved.shape
+                and tensor.stride() == moved.stride() and tensor.dtype == moved.dtype)
+
+    def pack(tensor):
+        if not is_moved(tensor):
+            return tensor
+        host = torch.empty(tensor.size(), dtype=tensor.dtype, pin_memory=pin_memory)
+        host.copy_(tensor, non_blocking=pin_memory)
+        return tensor.device, host
+
+    def unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        return host.to(device, non_blocking=pin_memory)
+
+    return pack, unpack
 
 
 def _checkpoint_forward(layer: torch.nn.Module, options: dict) -> None:

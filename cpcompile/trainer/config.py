@@ -44,11 +44,12 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # core (projections, conv, q/k L2 norm) and after it (gated norm,
                                 # out_proj) under checkpoints of their own, so a layer's backward holds
                                 # only the core's inputs and output of them (0.57B model: 170 -> 110 KB
-                                # a token) for one more forward of those ops; not with CP or selective
-                                # checkpointing yet
+                                # a token) for one more forward of those ops; eager layers only
+                                # (compile_backend: eager), not with CP or selective checkpointing yet
       offload_layer_inputs: false  # true: the inputs the checkpointed layers keep (hidden size x 2 bytes
                                 # a token each in bf16) wait in host memory, pinned on CUDA, until their
-                                # backward (torch.autograd.graph.save_on_cpu); needs every_layer or every_n
+                                # backward (saved-tensor hooks that move that input alone, eager or
+                                # compiled layers); needs every_layer or every_n
       device: cpu               # cpu | cuda | npu
       dump_dir: null            # the rewritten graphs, one folder per rank: <dump_dir>/rank<r>
       metrics_file: null        # one JSON line per step (rank 0)
@@ -350,6 +351,12 @@ def load_train_config(source: str | dict) -> TrainConfig:
     # model_config refuses a model type or key transformers does not know, before any process starts
     transformers_config = model_config(model)
     check_layer_count(config.train.ac_mode, transformers_config.get_text_config().num_hidden_layers)
+    if config.train.gdn_checkpoint_around_core and config.train.layer_compile_backend(plan.cp_size) is not None:
+        # compiled, a checkpointed layer's replay is one backward graph: the inner checkpoints run
+        # once in it and their saved tensors live across the core's backward, saving nothing
+        raise PlanError("train.gdn_checkpoint_around_core", f"saves memory in eager layers only; the layers would be "
+                                                            f"compiled ({config.train.layer_compile_backend(plan.cp_size)}): set "
+                                                            f"train.compile_backend: eager")
     if config.train.gdn_checkpoint_around_core and plan.cp_size > 1:
         raise PlanError("train.gdn_checkpoint_around_core", f"is for GDN layers run outside CP; cp_size="
                                                             f"{plan.cp_size} rewrites them, and inner checkpoints "

@@ -230,7 +230,10 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     progress.at("compile")
     cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=probe_inputs(model, first))
     progress.at("start")
-    use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
+    routed = use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
+    if settings.gdn_checkpoint_around_core and not routed:
+        raise PlanError("train.gdn_checkpoint_around_core", f"{type(model).__name__} has no GDN layer run outside CP: "
+                                                            "nothing to checkpoint around")
     apply_activation_checkpointing(model, settings.ac_mode)
     if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
         compile_layers(model, backend)

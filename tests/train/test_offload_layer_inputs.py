@@ -1,8 +1,8 @@
 """`train.offload_layer_inputs`: the inputs the checkpointed layers keep wait in host memory until
-their backward (`torch.autograd.graph.save_on_cpu` around each layer's forward). The run equals the
-plain run step by step (cp 2 with CP regions in the layers; cp 1 compiled, without a graph break);
-what the hooks move is each layer's input and nothing the checkpoint replays; refused without
-checkpointed layers. On CPU the host is the device, so the bytes it saves show on a GPU only
+their backward (saved-tensor hooks around each layer's forward that move its hidden-state input
+alone). The run equals the plain run step by step (cp 2 with CP regions in the layers; cp 1
+compiled, without a graph break); what moves is each layer's input and nothing else, eager and
+compiled; refused without checkpointed layers. On CPU the host is the device, so the bytes it saves show on a GPU only
 (the estimate: tests/train/test_memory_estimate.py)."""
 from __future__ import annotations
 
@@ -29,50 +29,59 @@ def test_offloaded_inputs_follow_the_plain_run_under_cp():
         assert _close(result["offloaded"], result["plain"], 1e-12), result
 
 
-class _RecordingSaveOnCpu(torch.autograd.graph.save_on_cpu):
-    """PyTorch's save_on_cpu, recording the shape of every tensor it packs."""
+def _recording_hooks(moved: list, hooks):
+    """`hooks` (checkpointing._to_host_hooks), recording the shape of each tensor its pack sends to
+    the host."""
+    from cpcompile.trainer import checkpointing
 
-    packed: list = []
+    def recording(tensor, pin_memory):
+        pack, unpack = hooks(tensor, pin_memory)
 
-    def __init__(self, pin_memory: bool = False, device_type: str = "cuda"):
-        super().__init__(pin_memory, device_type)
-        pack = self.pack_hook
+        def recorded_pack(saved):
+            packed = pack(saved)
+            if packed is not saved:
+                moved.append(tuple(saved.shape))
+            return packed
+        return recorded_pack, unpack
 
-        def recording(tensor):
-            _RecordingSaveOnCpu.packed.append(tuple(tensor.shape))
-            return pack(tensor)
-
-        self.pack_hook = recording
+    checkpointing._to_host_hooks = recording
 
 
 def _what_is_moved(rank: int, world: int, seed: int) -> dict:
     import torch._dynamo
 
-    torch.autograd.graph.save_on_cpu = _RecordingSaveOnCpu
-    config = without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer", offload_layer_inputs=True))
-    config["train"]["steps"] = 1
-    _run(config)
-    moved = list(_RecordingSaveOnCpu.packed)
-    plain = _curves(_run(without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer"))))
+    from cpcompile.trainer import checkpointing
+
+    hooks = checkpointing._to_host_hooks
+
+    def run(moved: list, **train) -> list[tuple]:
+        _recording_hooks(moved, hooks)
+        config = without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer", **train))
+        config["train"]["steps"] = 2
+        return _curves(_run(config))
+
+    plain = run([])
+    eager, compiled = [], []
+    run(eager, offload_layer_inputs=True)
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    compiled = _curves(_run(without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer",
-                                                      offload_layer_inputs=True, compile_backend="aot_eager"))))
-    return {"moved": moved, "plain": plain, "compiled": compiled, "graph_breaks": dict(counters["graph_break"]),
-            "unsupported": sum(counters["unimplemented"].values())}
+    compiled_curves = run(compiled, offload_layer_inputs=True, compile_backend="aot_eager")
+    return {"eager": eager, "compiled": compiled, "plain": plain, "compiled_curves": compiled_curves,
+            "graph_breaks": dict(counters["graph_break"]), "unsupported": sum(counters["unimplemented"].values())}
 
 
-def test_the_hooks_move_each_layers_input_and_compile_without_a_break():
-    """cp 1, one step: the tensors save_on_cpu packs are the checkpointed layers' hidden-state inputs
-    ([rows, seq_len, hidden], one a layer), nothing of the MLP's or the GDN core's widths that the
-    checkpoint replays; with the layers compiled (aot_eager) the run equals the plain one (1e-12)
+def test_only_each_layers_input_moves_eager_and_compiled():
+    """cp 1, two steps: what goes to the host is each checkpointed layer's hidden-state input
+    ([rows, seq_len, hidden]), one a layer a step, and nothing else (no parameter, no rotary table,
+    nothing the checkpoint replays), with the layers eager and compiled (aot_eager: its saved
+    tensors include the parameters, which stay); compiled, the run equals the plain one (1e-12)
     with no graph break."""
     (result,) = run_distributed(_what_is_moved, 1, random.randrange(1 << 30), timeout=300)
-    hidden_states = [shape for shape in result["moved"] if shape[-1:] == (TEXT["hidden_size"],) and len(shape) == 3]
-    assert len(hidden_states) == TEXT["num_hidden_layers"], result["moved"]
-    assert not any(TEXT["intermediate_size"] in shape for shape in result["moved"]), result["moved"]
-    assert _close(result["compiled"], result["plain"], 1e-12), result
+    layer_input = (4, 32, TEXT["hidden_size"])  # test_trainer: batch 4 x seq_len 32
+    for moved in (result["eager"], result["compiled"]):
+        assert moved == [layer_input] * (2 * TEXT["num_hidden_layers"]), moved
+    assert _close(result["compiled_curves"], result["plain"], 1e-12), result
     assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
 
 
