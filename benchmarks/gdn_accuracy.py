@@ -95,10 +95,11 @@ def api(xs, do):
 
 
 def fla(xs, do):
-    import fla.ops.common.chunk_o as fla_chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # compared only, see gdn_kernels.py
+    from fla_guard import lift_fla_hopper_guard
+
+    lift_fla_hopper_guard()  # compared only, see gdn_kernels.py
     leaves = [x.detach().clone().requires_grad_() for x in xs]
     o = chunk_gated_delta_rule(*leaves, use_qk_l2norm_in_kernel=True)[0]
     o.backward(do)
@@ -108,12 +109,12 @@ def fla(xs, do):
 def fla_stress_core(layout):
     """fla-core's chunk_gated_delta_rule as a ``cpcompile.kernels.gdn.stress`` core (ImportError
     without fla-core)."""
-    import fla.ops.common.chunk_o as fla_chunk_o
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     from cpcompile.kernels.gdn.stress import cu_seqlens
+    from fla_guard import lift_fla_hopper_guard
 
-    fla_chunk_o.TRITON_ABOVE_3_7_1 = True  # compared only, see gdn_kernels.py
+    lift_fla_hopper_guard()  # compared only, see gdn_kernels.py
     if os.environ.get("FLA_ONE_CONFIG") == "1":
         one_config_per_fla_kernel()
 

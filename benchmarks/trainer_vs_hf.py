@@ -120,17 +120,6 @@ def fused_linear_cross_entropy():
         return None, "not available: neither cut-cross-entropy nor liger-kernel is installed"
 
 
-def lift_fla_hopper_guard() -> None:
-    """fla-core 0.6 refuses its gated backward on Hopper with Triton < 3.7.1 (its issue #640: a Triton
-    miscompile). For timing only, as gdn_kernels.py does, the guard is lifted; no correctness claim
-    rests on the peer's gradients (its loss column is printed only)."""
-    try:
-        import fla.ops.common.chunk_o as fla_chunk_o
-    except ImportError:
-        return  # transformers then runs its PyTorch reference; the row says which kernel ran
-    fla_chunk_o.TRITON_ABOVE_3_7_1 = True
-
-
 def build_hf(args, seq_len: int, fused: bool):
     """-> (one training step as a function of its index, the model) for plain transformers."""
     import torch
@@ -138,8 +127,13 @@ def build_hf(args, seq_len: int, fused: bool):
     from cpcompile.trainer.config import model_config, transformers_module
     from trainer_gpu import MODEL, SMALL
 
+    from fla_guard import lift_fla_hopper_guard
+
     transformers = transformers_module()
-    lift_fla_hopper_guard()
+    try:  # timing only (fla_guard.py)
+        lift_fla_hopper_guard()
+    except ImportError:
+        pass  # transformers then runs its PyTorch reference; the row says which kernel ran
     loss_name, fused_loss = fused_linear_cross_entropy() if fused else ("transformers (whole logits)", None)
     if loss_name is None:
         raise Unavailable(fused_loss)  # why it is not available
