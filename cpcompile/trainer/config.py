@@ -351,12 +351,12 @@ def load_train_config(source: str | dict) -> TrainConfig:
     # model_config refuses a model type or key transformers does not know, before any process starts
     transformers_config = model_config(model)
     check_layer_count(config.train.ac_mode, transformers_config.get_text_config().num_hidden_layers)
-    if config.train.gdn_checkpoint_around_core and config.train.layer_compile_backend(plan.cp_size) is not None:
+    compiled = config.train.layer_compile_backend(plan.cp_size)
+    if config.train.gdn_checkpoint_around_core and compiled is not None:
         # compiled, a checkpointed layer's replay is one backward graph: the inner checkpoints run
         # once in it and their saved tensors live across the core's backward, saving nothing
         raise PlanError("train.gdn_checkpoint_around_core", f"saves memory in eager layers only; the layers would be "
-                                                            f"compiled ({config.train.layer_compile_backend(plan.cp_size)}): set "
-                                                            f"train.compile_backend: eager")
+                                                            f"compiled ({compiled}): set train.compile_backend: eager")
     if config.train.gdn_checkpoint_around_core and plan.cp_size > 1:
         raise PlanError("train.gdn_checkpoint_around_core", f"is for GDN layers run outside CP; cp_size="
                                                             f"{plan.cp_size} rewrites them, and inner checkpoints "
