@@ -13,7 +13,7 @@ import torch
 
 from dist_utils import run_distributed
 from gdn_harness import CHUNK, TEXT, gdn_layer
-from test_trainer import _close, _curves, _run, qwen3_5_config, without_cp
+from test_trainer import _close, _curves, _run, qwen3_5_config, refusal, without_cp
 
 
 def _layer_run(seed: int, inner: bool, hidden, weight, mask, positions) -> list[torch.Tensor]:
@@ -81,42 +81,33 @@ def test_the_trainer_checkpointed_around_the_gdn_core_follows_the_plain_run():
     assert result["calls"].count("inputs") == result["calls"].count("output") >= gdn_layers, result["calls"]
 
 
-def _refusal(config: dict) -> str:
-    from cpcompile.errors import PlanError
-    from cpcompile.trainer import load_train_config
-
-    with pytest.raises(PlanError) as caught:
-        load_train_config(config)
-    return str(caught.value)
-
-
 def test_it_needs_cpcompiles_gdn_layers():
     config = without_cp(qwen3_5_config(0, gdn_checkpoint_around_core=True))
     config["train"].pop("gdn_backend")
-    message = _refusal(config)
+    message = refusal(config)
     assert "train.gdn_checkpoint_around_core" in message and "gdn_backend" in message
 
 
 def test_it_is_refused_under_cp():
-    message = _refusal(qwen3_5_config(0, cp=2, gdn_checkpoint_around_core=True))
+    message = refusal(qwen3_5_config(0, cp=2, gdn_checkpoint_around_core=True))
     assert "train.gdn_checkpoint_around_core" in message and "cp_size=2" in message
 
 
 def test_it_is_refused_with_selective_checkpointing():
     config = without_cp(qwen3_5_config(0, gdn_checkpoint_around_core=True, activation_checkpointing="selective"))
-    message = _refusal(config)
+    message = refusal(config)
     assert "train.gdn_checkpoint_around_core" in message and "selective" in message
 
 
 def test_it_is_a_boolean():
-    message = _refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_around_core="yes")))
+    message = refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_around_core="yes")))
     assert "train.gdn_checkpoint_around_core" in message
 
 
 def test_it_is_refused_with_compiled_layers():
     """Compiled, a checkpointed layer's replay is one backward graph in which the inner checkpoints
     run once: their saved tensors would live across the core's backward, saving nothing."""
-    message = _refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_around_core=True,
+    message = refusal(without_cp(qwen3_5_config(0, gdn_checkpoint_around_core=True,
                                                  activation_checkpointing="every_layer", compile_backend="aot_eager")))
     assert "train.gdn_checkpoint_around_core" in message and "compile_backend: eager" in message
 

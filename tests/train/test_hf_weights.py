@@ -27,6 +27,7 @@ import torch
 import hf_folders
 from dist_utils import run_distributed
 from hf_folders import first_batch, save_folder, train_config, transformers_logits, transformers_loss
+from test_trainer import refusal
 from tokenizer_folder import VOCAB_SIZE, write_tokenizer_folder
 
 RTOL = 1e-6
@@ -212,17 +213,6 @@ def test_parameters_on_meta_keep_the_buffers_as_built(folders):
 # --------------------------------------------------------------------------- refusals, one per rule
 
 
-def _refusal(config: dict) -> str:
-    """The message a run of `config` stops with before anything is built (config, then start-up checks)."""
-    from cpcompile.errors import PlanError
-    from cpcompile.trainer import load_train_config
-    from cpcompile.trainer.startup import check_before_building
-
-    with pytest.raises(PlanError) as caught:
-        check_before_building(load_train_config(config))
-    return str(caught.value)
-
-
 def _copy(folders, name: str, tmp_path) -> str:
     import shutil
 
@@ -242,7 +232,7 @@ def test_a_folder_without_weights_is_refused_unless_weights_random(folders, tmp_
 
     folder = _copy(folders, "qwen3", tmp_path)
     os.remove(os.path.join(folder, "model.safetensors"))
-    message = _refusal(train_config(folder, "qwen3", 1))
+    message = refusal(train_config(folder, "qwen3", 1))
     assert message.startswith("model.path:") and folder in message and "weights: random" in message, message
     config = train_config(folder, "qwen3", 1)
     config["model"]["weights"] = "random"
@@ -251,14 +241,14 @@ def test_a_folder_without_weights_is_refused_unless_weights_random(folders, tmp_
 
 def test_pretrained_weights_without_a_folder_are_refused():
     config = {"model": {**hf_folders.QWEN3, "weights": "pretrained"}}
-    message = _refusal(config)
+    message = refusal(config)
     assert message.startswith("model.weights:") and "model.path" in message, message
 
 
 def test_a_missing_shard_file_is_refused(folders, tmp_path):
     folder = _copy(folders, "qwen3_5_sharded", tmp_path)
     os.remove(os.path.join(folder, "model-00003-of-00007.safetensors"))
-    message = _refusal(train_config(folder, "qwen3_5", 1))
+    message = refusal(train_config(folder, "qwen3_5", 1))
     assert os.path.join(folder, "model-00003-of-00007.safetensors") in message and "is missing" in message, message
 
 
@@ -267,7 +257,7 @@ def test_a_shard_file_the_index_does_not_list_is_refused(folders, tmp_path):
     os.rename(os.path.join(folder, "model-00007-of-00007.safetensors"), os.path.join(folder, "stray.safetensors"))
     _edit_json(os.path.join(folder, "model.safetensors.index.json"),
                weight_map={k: v.replace("00007-of-", "00006-of-") for k, v in _weight_map(folder).items()})
-    message = _refusal(train_config(folder, "qwen3_5", 1))
+    message = refusal(train_config(folder, "qwen3_5", 1))
     assert os.path.join(folder, "stray.safetensors") in message and "not listed" in message, message
 
 
@@ -279,7 +269,7 @@ def _weight_map(folder: str) -> dict:
 def test_several_files_without_an_index_are_refused(folders, tmp_path):
     folder = _copy(folders, "qwen3_5_sharded", tmp_path)
     os.remove(os.path.join(folder, "model.safetensors.index.json"))
-    message = _refusal(train_config(folder, "qwen3_5", 1))
+    message = refusal(train_config(folder, "qwen3_5", 1))
     assert "7 *.safetensors files" in message and "model.safetensors.index.json" in message, message
 
 
@@ -290,7 +280,7 @@ def test_a_tensor_stored_twice_is_refused(folders, tmp_path):
     save_file({"model.norm.weight": torch.ones(32)}, os.path.join(folder, "extra.safetensors"))
     with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as handle:
         json.dump({"weight_map": {"model.norm.weight": "extra.safetensors", "x": "model.safetensors"}}, handle)
-    message = _refusal(train_config(folder, "qwen3", 1))
+    message = refusal(train_config(folder, "qwen3", 1))
     assert "tensor model.norm.weight is also in" in message, message
 
 
@@ -302,14 +292,14 @@ def test_a_missing_tensor_is_refused(folders, tmp_path):
     tensors = load_file(path)
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, path, metadata={"format": "pt"})
-    message = _refusal(train_config(folder, "qwen3", 1))
+    message = refusal(train_config(folder, "qwen3", 1))
     assert "has no tensor model.layers.1.mlp.up_proj.weight" in message and folder in message, message
 
 
 def test_a_tensor_of_another_shape_is_refused(folders, tmp_path):
     folder = _copy(folders, "qwen3", tmp_path)
     _edit_json(os.path.join(folder, "config.json"), intermediate_size=48)
-    message = _refusal(train_config(folder, "qwen3", 1))
+    message = refusal(train_config(folder, "qwen3", 1))
     assert os.path.join(folder, "model.safetensors") in message, message
     assert "tensor model.layers.0.mlp.gate_proj.weight is [64, 32] there and [48, 32]" in message, message
 
@@ -317,7 +307,7 @@ def test_a_tensor_of_another_shape_is_refused(folders, tmp_path):
 def test_weights_of_a_larger_model_than_config_json_are_refused(folders, tmp_path):
     folder = _copy(folders, "qwen3_5", tmp_path)
     _edit_json(os.path.join(folder, "config.json"), num_hidden_layers=3, layer_types=["linear_attention"] * 3)
-    message = _refusal(train_config(folder, "qwen3_5", 1))
+    message = refusal(train_config(folder, "qwen3_5", 1))
     assert "tensor model.layers.3." in message and "config.json does not match the weights" in message, message
 
 

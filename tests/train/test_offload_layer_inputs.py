@@ -9,11 +9,10 @@ from __future__ import annotations
 import random
 
 import pytest
-import torch
 
 from dist_utils import run_distributed
 from gdn_harness import TEXT
-from test_trainer import _close, _curves, _run, qwen3_5_config, without_cp
+from test_trainer import _close, _curves, _run, qwen3_5_config, refusal, without_cp
 
 
 def _plain_and_offloaded(rank: int, world: int, seed: int) -> dict:
@@ -85,21 +84,12 @@ def test_only_each_layers_input_moves_eager_and_compiled():
     assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
 
 
-def _refusal(config: dict) -> str:
-    from cpcompile.errors import PlanError
-    from cpcompile.trainer import load_train_config
-
-    with pytest.raises(PlanError) as caught:
-        load_train_config(config)
-    return str(caught.value)
-
-
 @pytest.mark.parametrize("mode", ["off", "selective"])
 def test_it_needs_checkpointed_layers(mode):
-    message = _refusal(without_cp(qwen3_5_config(0, activation_checkpointing=mode, offload_layer_inputs=True)))
+    message = refusal(without_cp(qwen3_5_config(0, activation_checkpointing=mode, offload_layer_inputs=True)))
     assert "train.offload_layer_inputs" in message and "every_layer" in message
 
 
 def test_it_is_a_boolean():
-    message = _refusal(without_cp(qwen3_5_config(0, activation_checkpointing="every_layer", offload_layer_inputs=1)))
+    message = refusal(without_cp(qwen3_5_config(0, activation_checkpointing="every_layer", offload_layer_inputs=1)))
     assert "train.offload_layer_inputs" in message

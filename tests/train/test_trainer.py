@@ -52,6 +52,17 @@ def _run(config: dict, **kwargs) -> list[dict]:
     return train(load_train_config(config), log=lambda _: None, **kwargs)
 
 
+def refusal(config: dict) -> str:
+    """The message a run of `config` stops with before anything is built (config, then start-up checks)."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import load_train_config
+    from cpcompile.trainer.startup import check_before_building
+
+    with pytest.raises(PlanError) as caught:
+        check_before_building(load_train_config(config))
+    return str(caught.value)
+
+
 def _curves(records: list[dict]) -> list[tuple]:
     return [(r["step"], r["loss"], r["grad_norm"], r["lr"]) for r in records]
 
