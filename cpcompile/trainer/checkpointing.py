@@ -127,10 +127,15 @@ def _offload_hidden_states(layer: torch.nn.Module, pin_memory: bool) -> None:
 def _to_host_hooks(moved: torch.Tensor, pin_memory: bool):
     """(pack, unpack): `moved` goes to host memory (pinned: its copies are asynchronous, ordered on
     the stream that made it) and comes back to its device; any other saved tensor stays as it is.
-    `moved` is recognised by its data, not its identity: a compiled layer saves an alias of it."""
+    `moved` is recognised by its data, not its identity: a compiled layer saves an alias of it. The
+    hooks hold its address and layout, never the tensor: the autograd graph keeps `unpack` (and so
+    everything it closes over) until the backward, and a reference there would keep the device copy
+    alive beside the host one. Its address cannot name another tensor while pack runs (the layer's
+    forward, which holds `moved`)."""
+    layout = (moved.data_ptr(), moved.shape, moved.stride(), moved.dtype)
+
     def is_moved(tensor) -> bool:
-        return (tensor.data_ptr() == moved.data_ptr() and tensor.shape == moved.shape
-                and tensor.stride() == moved.stride() and tensor.dtype == moved.dtype)
+        return (tensor.data_ptr(), tensor.shape, tensor.stride(), tensor.dtype) == layout
 
     def pack(tensor):
         if not is_moved(tensor):

@@ -84,6 +84,45 @@ def test_only_each_layers_input_moves_eager_and_compiled():
     assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
 
 
+def _inputs_alive_after_the_forward(rank: int, world: int, seed: int, offload: bool, compile_backend: str) -> list:
+    """One step at cp 1 (bf16 compute, as on a GPU); -> for each decoder layer, whether the storage
+    of its hidden-state input is still alive when the forward has ended (the loss computed, before
+    the backward): a weak reference, taken in a forward pre-hook, that keeps nothing alive itself."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from cpcompile.trainer import load_train_config, loop
+    from cpcompile.trainer.parallelize import decoder_layers
+
+    config = without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer", offload_layer_inputs=offload,
+                                       dtype="float32", compile_backend=compile_backend,
+                                       mixed_precision={"param_dtype": "bfloat16", "reduce_dtype": "float32"}))
+    trainer = loop.build_trainer(load_train_config(config))
+    inputs = []
+    for layer in decoder_layers(trainer.model):
+        layer.register_forward_pre_hook(lambda _, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
+    alive = []
+    mean_loss = loop.global_mean_loss
+
+    def after_the_forward(*args, **kwargs):
+        alive.extend(not weak.expired() for weak in inputs)
+        return mean_loss(*args, **kwargs)
+    loop.global_mean_loss = after_the_forward
+    trainer.step(0)
+    return alive
+
+
+@pytest.mark.parametrize("compile_backend", ["eager", "aot_eager"])
+def test_offloaded_inputs_leave_the_device_after_the_forward(compile_backend):
+    """What the switch is for: no layer's input is left on the device between its forward and its
+    backward (an earlier version moved a copy to the host and kept the original alive through its
+    hooks: the same peak on an H200 as without the switch). Without the switch every input is alive
+    there (the checkpoints keep them): the check can fail."""
+    seed = random.randrange(1 << 30)
+    for offload, expected in ((True, False), (False, True)):
+        (alive,) = run_distributed(_inputs_alive_after_the_forward, 1, seed, offload, compile_backend, timeout=300)
+        assert alive == [expected] * TEXT["num_hidden_layers"], (offload, alive)
+
+
 @pytest.mark.parametrize("mode", ["off", "selective"])
 def test_it_needs_checkpointed_layers(mode):
     message = refusal(without_cp(qwen3_5_config(0, activation_checkpointing=mode, offload_layer_inputs=True)))
