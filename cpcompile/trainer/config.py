@@ -50,6 +50,10 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # a token each in bf16) wait in host memory, pinned on CUDA, until their
                                 # backward (saved-tensor hooks that move that input alone, eager or
                                 # compiled layers); needs every_layer or every_n
+      sdpa_backend: null        # cudnn | flash | efficient | math: the one SDPA kernel the model's own
+                                # attention calls (those CP does not rewrite: all of them at cp 1) run
+                                # on, forward and backward; a call it refuses fails with PyTorch's
+                                # reason (trainer/sdpa_backend.py); null: PyTorch chooses
       device: cpu               # cpu | cuda | npu
       dump_dir: null            # the rewritten graphs, one folder per rank: <dump_dir>/rank<r>
       metrics_file: null        # one JSON line per step (rank 0)
@@ -113,6 +117,7 @@ from ..errors import MissingDependencyError, PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
 from .checkpointing import ACMode, check_layer_count, parse_ac_mode
 from .records import check_parquet_file, is_parquet
+from .sdpa_backend import SDPA_BACKENDS
 from .tokenizer import check_tokenizer_folder, tokenizer_for
 from .weights import WEIGHTS_CHOICES, weights_files
 
@@ -146,6 +151,7 @@ class TrainSettings:
     gdn_backend: str | None = None
     gdn_checkpoint_around_core: bool = False
     offload_layer_inputs: bool = False
+    sdpa_backend: str | None = None
     device: str = "cpu"
     dump_dir: str | None = None
     metrics_file: str | None = None
@@ -186,8 +192,18 @@ class TrainSettings:
             raise PlanError("train.offload_layer_inputs", f"moves the inputs checkpointed layers keep; needs "
                                                           f"activation_checkpointing every_layer or {{every_n: k}}, "
                                                           f"got {short_repr(self.activation_checkpointing)}")
+        self._check_sdpa_backend()
         self.precision_policy()
         return self
+
+    def _check_sdpa_backend(self) -> None:
+        if self.sdpa_backend is None:
+            return
+        check_choice("train.sdpa_backend", self.sdpa_backend, SDPA_BACKENDS)
+        devices = SDPA_BACKENDS[self.sdpa_backend][1]
+        if self.device not in devices:
+            raise PlanError("train.sdpa_backend", f"{self.sdpa_backend!r} has no kernel on {self.device} "
+                                                  f"(runs on {', '.join(devices)})")
 
     @property
     def ac_mode(self) -> ACMode:

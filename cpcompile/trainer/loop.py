@@ -34,12 +34,13 @@ from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
 from . import checkpoint, memory
-from .config import DTYPES, TrainConfig, TrainSettings, pretrained_folder
+from .config import TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
 from .export import export_folder, export_from_ranks
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary, warmup_steps
 from .progress import Progress
+from .sdpa_backend import only_sdpa_backend
 from .startup import check_before_building
 from .weights import load_pretrained, materialize
 from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_input_offload, apply_tensor_parallel,
@@ -142,10 +143,11 @@ class Trainer:
         self.progress.at("forward", index + 1)
         batch = self.stream.batch(index, self.replica, self.config.dp_size)
         inputs, targets = _split_targets(shard_batch(batch, self.mesh, self.config.plan))
-        local_sum = token_loss_sum(self.model, inputs, targets)
-        loss = global_mean_loss(local_sum, (targets != IGNORE_INDEX).sum(), self.mesh)
-        self.progress.at("backward")
-        (loss * self.gradient_scale).backward()
+        with only_sdpa_backend(settings.sdpa_backend):  # the backward's checkpoint replays choose as the forward did
+            local_sum = token_loss_sum(self.model, inputs, targets)
+            loss = global_mean_loss(local_sum, (targets != IGNORE_INDEX).sum(), self.mesh)
+            self.progress.at("backward")
+            (loss * self.gradient_scale).backward()
         self.progress.at("optimizer")
         grad_norm = self._clip()
         record = {"step": index + 1, "loss": loss.item(), "grad_norm": grad_norm, "lr": lr}

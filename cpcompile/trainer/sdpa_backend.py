@@ -1,0 +1,35 @@
+"""`train.sdpa_backend`: the one PyTorch SDPA kernel the model's own attention calls run on.
+
+At cp 1 (and for any attention CP does not rewrite) the model's SDPA call runs as transformers
+wrote it, and PyTorch picks the kernel: flash on an H200 for the 0.57B benchmark model's heads
+(8 query, 2 KV, dim 256), where cuDNN's is 1.5-1.6x faster forward+backward
+(benchmarks/results/attention_backends_2026-12-03_NVIDIA-H200.md). The rewritten CP regions choose
+their own kernels (`kernels/attention`) and do not read this.
+
+The setting makes the named backend the only one SDPA may use for the step's forward and backward
+(the checkpoint replays run in the backward, and must choose as the forward did: a replay that
+picked another kernel would save other tensors). A call that kernel refuses (a shape, a dtype, a
+mask it does not take) fails with PyTorch's reason rather than running on another kernel unasked;
+unset the setting to let PyTorch choose again. Only one backend, not a priority order: PyTorch's
+CPU dispatch reads which backends are enabled, not their order.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# train.sdpa_backend's names -> (the backend, the devices its kernel runs on)
+SDPA_BACKENDS: dict[str, tuple[SDPBackend, tuple[str, ...]]] = {
+    "cudnn": (SDPBackend.CUDNN_ATTENTION, ("cuda",)),
+    "flash": (SDPBackend.FLASH_ATTENTION, ("cuda", "cpu")),
+    "efficient": (SDPBackend.EFFICIENT_ATTENTION, ("cuda",)),
+    "math": (SDPBackend.MATH, ("cuda", "cpu", "npu")),
+}
+
+
+def only_sdpa_backend(name: str | None) -> contextlib.AbstractContextManager:
+    """A context in which SDPA runs on `name`'s kernel alone; PyTorch's choice when `name` is None."""
+    if name is None:
+        return contextlib.nullcontext()
+    return sdpa_kernel([SDPA_BACKENDS[name][0]])
