@@ -66,7 +66,8 @@ def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf")
                       "loss": loss, "loss_chunk_tokens": args.loss_chunk_tokens,
                       "compile_backend": args.compile_backend, "device": args.device,
                       "gdn_checkpoint_around_core": getattr(args, "gdn_checkpoint_around_core", False),
-                      "offload_layer_inputs": getattr(args, "offload_layer_inputs", False)},
+                      "offload_layer_inputs": getattr(args, "offload_layer_inputs", False),
+                      "sdpa_backend": getattr(args, "sdpa_backend", None)},
             "optimizer": {"warmup_steps": 2}}
 
 
@@ -203,6 +204,8 @@ def main() -> None:
                         help="train.gdn_checkpoint_around_core (cp 1, eager layers: with --compile-backend eager on "
                              "cuda): less memory a token, one more forward of the GDN layers' projections, conv, "
                              "gated norm and out_proj")
+    parser.add_argument("--sdpa-backend", default=None, choices=("cudnn", "flash", "efficient", "math"),
+                        help="train.sdpa_backend: the one SDPA kernel of the attention CP does not rewrite")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="train.offload_layer_inputs: the checkpointed layers' inputs in host memory until their "
                              "backward")

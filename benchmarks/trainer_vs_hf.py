@@ -2,9 +2,11 @@
 
     python benchmarks/trainer_vs_hf.py                     # 32K, 64K, 128K, then the longest that fits
     options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 300 --total-seconds 450
-             --compile-backend inductor --gdn-checkpoint-around-core --offload-layer-inputs
+             --compile-backend inductor --gdn-checkpoint-around-core --offload-layer-inputs --sdpa-backend cudnn
              --methods cpcompile,hf,hf_fused_ce --out FILE
     python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --out /tmp/r.md   # smoke (no search)
+    (--warmup 0 with cpcompile alone: one step, for the longest lengths; the allocator runs with
+    expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise)
 
 Three ways to train the same model (trainer_gpu.py's Qwen3.5-shaped 0.57B, random weights, seed 0)
 on the same tokens (the trainer's synthetic rows) at the same precision (float32 parameters,
@@ -81,7 +83,7 @@ def build_cpcompile(args, seq_len: int, steps: int):
     settings = argparse.Namespace(cp=1, steps=steps, seq_len=seq_len, small=args.small, device=args.device,
                                   loss_chunk_tokens=args.loss_chunk_tokens, compile_backend=args.compile_backend,
                                   gdn_backend=None, gdn_checkpoint_around_core=args.gdn_checkpoint_around_core,
-                                  offload_layer_inputs=args.offload_layer_inputs)
+                                  offload_layer_inputs=args.offload_layer_inputs, sdpa_backend=args.sdpa_backend)
     trainer = build_trainer(load_train_config(config(settings, "chunked", "every_layer")))
     return (lambda index: trainer.step(index)["loss"]), trainer.model
 
@@ -228,7 +230,8 @@ def run_attempt(args, spec: dict) -> dict:
         seconds = measure(step, spec, cuda, deadline=start + spec["deadline_s"])
         del stand_in
     except torch.OutOfMemoryError as exc:
-        return {**row, "note": f"OOM ({phase}: {str(exc).splitlines()[0][:100]})"}
+        held = f"; peak allocated {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if cuda else ""
+        return {**row, "note": f"OOM ({phase}: {oom_summary(exc)}{held})"}
     except Unavailable as exc:
         return {**row, "note": str(exc)}
     per_token = flops_per_token(model, spec["seq_len"])
@@ -236,6 +239,13 @@ def run_attempt(args, spec: dict) -> dict:
     return {**row, "repeat": len(seconds), "seconds": mean, "tokens_per_s": spec["seq_len"] / mean,
             "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
             "mfu": per_token * spec["seq_len"] / mean / (args.peak_tflops * 1e12)}
+
+
+def oom_summary(exc: Exception) -> str:
+    """The allocator's own account (what was asked, what PyTorch held, what was reserved but free:
+    fragmentation), without its advice."""
+    text = " ".join(str(exc).split())
+    return text.split(" If reserved but unallocated")[0].split(" See documentation")[0][:400]
 
 
 def adam_state_stand_in(model, row: dict):
@@ -382,7 +392,7 @@ def write_results(args, rows: list[dict], text: str) -> str:
     with open(path, "w", encoding="utf-8") as handle:
         handle.write(f"# cpcompile trainer vs transformers + fla-core, one {device} - {datetime.date.today()}\n\n")
         handle.write(f"Command: `python benchmarks/trainer_vs_hf.py {' '.join(sys.argv[1:])}`; "
-                     f"{versions()}.\n\n{text}\n")
+                     f"{versions()}; PYTORCH_CUDA_ALLOC_CONF={os.environ.get('PYTORCH_CUDA_ALLOC_CONF')}.\n\n{text}\n")
     return path
 
 
@@ -413,6 +423,8 @@ def main() -> None:
                         help="the trainer's train.gdn_checkpoint_around_core (docs/trainer.md)")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="the trainer's train.offload_layer_inputs (docs/trainer.md)")
+    parser.add_argument("--sdpa-backend", default=None, choices=("cudnn", "flash", "efficient", "math"),
+                        help="the trainer's train.sdpa_backend (docs/trainer.md); the peers keep PyTorch's choice")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="trainer_gpu.py's tiny model (smoke runs)")
@@ -427,6 +439,9 @@ def main() -> None:
     if any(m not in METHODS for m in methods) or args.repeat < 1 or args.warmup < (0 if methods == ["cpcompile"] else 1):
         parser.error(f"--methods takes {', '.join(METHODS)}; --repeat is >= 1, --warmup too but for cpcompile "
                      "alone (0: one step at the longest lengths, whose compiled layers would compile in it)")
+    # every attempt's allocator (the children inherit it): at 512K+ tokens the largest tensors are GiBs
+    # of varying sizes, and the default segments left 5 GiB free but unusable in a 1M attempt
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     args.seq_lens = parse_lengths(args.seq_lens)
     (args.max_seq_len,) = parse_lengths(args.max_seq_len or ("4M" if not args.small else str(args.seq_lens[-1])))
     start, rows = time.perf_counter(), []

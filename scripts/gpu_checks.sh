@@ -58,7 +58,8 @@ if has order; then
 fi
 if has trainer; then
   what=${TRAINER:-vs_hf}
-  [ "$what" = vs_hf ] && timeout 590 python3 benchmarks/trainer_vs_hf.py --out "$out/trainer_vs_hf.md" \
+  # EXTRA: trainer flags, e.g. "--methods cpcompile --seq-lens 32K,128K --sdpa-backend cudnn"
+  [ "$what" = vs_hf ] && timeout 590 python3 benchmarks/trainer_vs_hf.py ${EXTRA:-} --out "$out/trainer_vs_hf.md" \
     2>&1 | tee "$out/trainer_vs_hf.log" | grep -E "^\||longest"
   [ "$what" = load ] && timeout 590 python3 benchmarks/load_memory_gpu.py --out "$out/load_memory_gpu.md" \
     2>&1 | tee "$out/load_memory_gpu.log" | grep "^|"
