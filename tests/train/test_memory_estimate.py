@@ -22,13 +22,13 @@ def model():
     return meta_model(MODEL)
 
 
-def _config(cp: int, seq_len: int, loss: str, ac: str = "every_layer", sdpa: str = "sdpa_hf"):
+def _config(cp: int, seq_len: int, loss: str, ac: str = "every_layer", sdpa: str = "sdpa_hf", **switches):
     from trainer_gpu import config
 
     from cpcompile.trainer import load_train_config
 
     args = argparse.Namespace(cp=cp, steps=3, seq_len=seq_len, small=False, device="cpu", loss_chunk_tokens=4096,
-                              compile_backend=None, gdn_backend=None)
+                              compile_backend=None, gdn_backend=None, **switches)
     return load_train_config(config(args, loss, ac, sdpa))
 
 
@@ -46,7 +46,10 @@ def test_parameters_counted_from_the_config_are_the_models(model):
 # one H200, torch 2.11, eager layers unless named), from benchmarks/results/: 32K
 # trainer_gpu_2026-12-02_NVIDIA-H200_compile.md, 64K and 128K ..._chunked-loss.md, CP=8 (rank 0 and
 # rank 7 under the fake process group) simulate_cp_2026-12-02_NVIDIA-H200.md, the whole logits
-# trainer_gpu_2026-12-01_NVIDIA-H200.md
+# trainer_gpu_2026-12-01_NVIDIA-H200.md; 512K and the lower-memory switches (one step each, AdamW's
+# moments held) longest_2026-12-03_NVIDIA-H200.md
+AROUND_CORE = {"gdn_checkpoint_around_core": True}
+BOTH = {"gdn_checkpoint_around_core": True, "offload_layer_inputs": True}
 H200_PEAKS = [
     (1, 32768, "chunked", "every_layer", "sdpa_hf", 13.95),
     (1, 32768, "chunked", "every_layer", "sdpa_hf", 13.09),  # inductor layers
@@ -57,15 +60,22 @@ H200_PEAKS = [
     (8, 1 << 20, "chunked", "every_layer", "sdpa_hf_ulysses", 27.49),  # rank 0
     (8, 1 << 20, "chunked", "every_layer", "sdpa_hf_ulysses", 27.77),  # rank 7
     (1, 32768, "full", "every_layer", "sdpa_hf", 63.98),
+    (1, 1 << 19, "chunked", "every_layer", "sdpa_hf", 110.56),
+    # both switches set, the offload inert then (its hooks kept each input alive): the around-core switch alone
+    (1, 1 << 17, "chunked", "every_layer", "sdpa_hf", 25.56, AROUND_CORE),
+    (1, 1 << 19, "chunked", "every_layer", "sdpa_hf", 80.59, AROUND_CORE),
+    (1, 3 << 18, "chunked", "every_layer", "sdpa_hf", 117.27, AROUND_CORE),
+    (1, 1 << 17, "chunked", "every_layer", "sdpa_hf", 22.22, BOTH),  # the offload fixed
 ]
+H200_PEAKS = [row if len(row) == 7 else (*row, {}) for row in H200_PEAKS]  # the switches: none
 
 
-@pytest.mark.parametrize("cp, seq_len, loss, ac, sdpa, peak", H200_PEAKS)
-def test_the_h200_measurements(model, cp, seq_len, loss, ac, sdpa, peak):
+@pytest.mark.parametrize("cp, seq_len, loss, ac, sdpa, peak, switches", H200_PEAKS)
+def test_the_h200_measurements(model, cp, seq_len, loss, ac, sdpa, peak, switches):
     from cpcompile.trainer.loop import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
-    estimate = memory_estimate(_config(cp, seq_len, loss, ac, sdpa), params, model.config)
+    estimate = memory_estimate(_config(cp, seq_len, loss, ac, sdpa, **switches), params, model.config)
     assert abs(estimate["total"] / peak - 1) < 0.10, estimate
 
 
