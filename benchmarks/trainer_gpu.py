@@ -101,7 +101,7 @@ def run_mode(args, loss: str, ac: str) -> dict:
 
     train_config = load_train_config(config(args, loss, ac_setting(ac)))
     if args.dry_run:
-        dry_run(train_config)
+        dry_run(train_config, memory_gib=args.memory_gib)
         return {"loss": loss, "ac": ac, "note": "dry run"}
     trainer = build_trainer(train_config)
     per_token = flops_per_token(trainer.model, args.seq_len)
@@ -196,6 +196,8 @@ def main() -> None:
     parser.add_argument("--compile-backend", default=None)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--dry-run", action="store_true")
+    parser.add_argument("--memory-gib", type=float, default=None,
+                        help="with --dry-run: the longest --seq-len whose estimate fits this (CUDA: the device's)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--gdn-backend", default=None, choices=("triton", "eager"),
                         help="default: triton on cuda, eager on cpu (triton on cpu: TRITON_INTERPRET=1)")

@@ -32,7 +32,10 @@ REPORTED = (CPCompileError, OSError)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "memory_gib", None) is not None and not args.dry_run:
+        parser.error("--memory-gib goes with --dry-run (it sizes the estimate's longest train.seq_len)")
     try:
         if getattr(args, "nproc_per_node", None) is not None:
             return _launch(args, argv)
@@ -70,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--metrics", default=None, help="override train.metrics_file (JSONL, one line per step)")
     run.add_argument("--dry-run", action="store_true",
                      help="print the mesh, the plan's coverage and a memory estimate, then exit")
+    run.add_argument("--memory-gib", type=float, default=None,
+                     help="with --dry-run: also print the longest train.seq_len whose estimate fits this many GiB "
+                          "a rank (default on CUDA: the device's memory)")
     run.add_argument("--nproc-per-node", type=int, default=None,
                      help="start this many workers here (the config's mesh size), instead of running under torchrun")
     pair = commands.add_parser("compare", parents=[common],
@@ -158,7 +164,7 @@ def _run(args) -> int:
     config = _config(args)
     try:
         if args.command == "train" and args.dry_run:
-            dry_run(config)
+            dry_run(config, memory_gib=args.memory_gib)
         elif args.command == "train":
             train(config, stop_after=args.stop_after)
         else:

@@ -342,18 +342,19 @@ def dry_run_seq_len(config: TrainConfig) -> int:
     """The dry run's sequence length: `train.seq_len` cut to about `DRY_RUN_TOKENS_PER_RANK` per CP
     rank, a multiple of what the plan's layout needs."""
     plan = config.plan
-    layout = plan.layout()
-    multiple = required_multiple(layout, plan.cp_size) if layout is not None else 1
+    multiple = seq_len_multiple(plan)
     short = math.ceil(DRY_RUN_TOKENS_PER_RANK * plan.cp_size / multiple) * multiple
     return min(short, config.train.seq_len)
 
 
-def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
+def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib: float | None = None) -> dict:
     """Build everything a run builds, print the mesh, the plan's coverage and a memory estimate
     per rank, and run no step; -> the same facts as a dict. The model is built and rewritten
     from a short probe batch (`dry_run_seq_len`): the regions and their methods do not depend on
     the length, and a probe forward at `train.seq_len` could take minutes; the estimate is for
-    `train.seq_len`."""
+    `train.seq_len`. With a memory budget per rank (`memory_gib`, else on CUDA the device's own),
+    also the longest `train.seq_len` whose estimate fits it (`memory.longest_seq_len`)."""
+    budget = memory_budget_gib(config.train.device, memory_gib)
     check_before_building(config)
     probe = dry_run_seq_len(config)
     probe_config = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=probe))
@@ -372,7 +373,40 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print) -> dict:
         for name, method in regions:
             log(f"  {name}: {method}")
         log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
-    return {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe}
+    facts = {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe,
+             "parameters": parameter_count(trainer.model), "model_config": trainer.model.config}
+    if budget is not None:
+        facts["longest_seq_len"] = memory.longest_seq_len(config, facts["parameters"], trainer.model.config, budget,
+                                                          seq_len_multiple(config.plan))
+        if is_rank_zero():
+            log(describe_longest(facts["longest_seq_len"], budget))
+    return facts
+
+
+def memory_budget_gib(device: str, memory_gib: float | None) -> float | None:
+    """The per-rank memory the dry run fits the length to: `memory_gib`, else a CUDA device's total
+    (this process's device), else none."""
+    if memory_gib is not None:
+        if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not memory_gib > 0:
+            raise PlanError("--memory-gib", f"must be a positive number of GiB, got {memory_gib!r}")
+        return float(memory_gib)
+    if device == "cuda" and torch.cuda.is_available():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / memory.GIB
+    return None
+
+
+def seq_len_multiple(plan: Plan) -> int:
+    """What `train.seq_len` must be a multiple of under the plan's layout (1 without one)."""
+    layout = plan.layout()
+    return required_multiple(layout, plan.cp_size) if layout is not None else 1
+
+
+def describe_longest(seq_len: int, budget_gib: float) -> str:
+    if seq_len == 0:
+        return (f"longest train.seq_len within {budget_gib:.1f} GiB a rank: none (the estimate's parts that do not "
+                f"depend on the length exceed it)")
+    return (f"longest train.seq_len within {budget_gib:.1f} GiB a rank, by the estimate: {seq_len} tokens "
+            f"(its accuracy against measured peaks: docs/trainer.md, 'The memory estimate')")
 
 
 def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:

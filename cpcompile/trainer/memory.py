@@ -100,6 +100,34 @@ def estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]
     return gib
 
 
+# the longest length searched: the GDN kernels index tokens in 32 bits (kernels/gdn/triton/capability.py)
+LONGEST_SEARCHED = 1 << 30
+
+
+def longest_seq_len(config: TrainConfig, params: int, model_config, budget_gib: float, multiple: int) -> int:
+    """The longest `train.seq_len`, a multiple of `multiple` (what the plan's layout needs), whose
+    estimated `total` is within `budget_gib`; 0 when not even `multiple` is. Every term that depends
+    on the length grows with it, so doubling then bisecting finds the boundary."""
+    import dataclasses
+
+    def fits(seq_len: int) -> bool:
+        train = dataclasses.replace(config.train, seq_len=seq_len)
+        return estimate(dataclasses.replace(config, train=train), params, model_config)["total"] <= budget_gib
+
+    if not fits(multiple):
+        return 0
+    low = multiple  # fits
+    while low * 2 <= LONGEST_SEARCHED and fits(low * 2):
+        low *= 2
+    if low * 2 > LONGEST_SEARCHED:
+        return low
+    high = low * 2  # does not fit
+    while high - low > multiple:
+        middle = (low + high) // 2 // multiple * multiple
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
 def _terms_and_moments(config: TrainConfig, params: int, model_config) -> tuple[dict, dict]:
     """({term: bytes}, {moment of the step: bytes alive then}) of the module doc."""
     settings, accelerator = config.train, config.plan.accelerator

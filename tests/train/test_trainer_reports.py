@@ -84,6 +84,57 @@ def test_a_dry_run_at_a_huge_length_traces_a_short_probe_and_says_so():
     assert facts["memory_gib"]["activations"] > 1.0, facts
 
 
+def _dry_run_within(rank: int, world: int, memory_gib: float) -> tuple[list[str], dict]:
+    from cpcompile.trainer import dry_run, load_train_config
+
+    lines = []
+    facts = dry_run(load_train_config(_config(0)), log=lines.append, memory_gib=memory_gib)
+    return lines, facts
+
+
+def test_a_dry_run_with_a_memory_budget_names_the_longest_length_that_fits():
+    """cp 2 (a plan whose layout wants seq_len a multiple of the CP size): the longest length is a
+    multiple of it, the estimate at it fits the budget and one multiple more does not."""
+    import dataclasses
+
+    from cpcompile.trainer import load_train_config
+    from cpcompile.trainer.loop import memory_estimate, seq_len_multiple
+
+    lines, facts = run_distributed(_dry_run_within, 2, 0.05, timeout=120)[0]
+    longest = facts["longest_seq_len"]
+    config = load_train_config(_config(0))
+    multiple = seq_len_multiple(config.plan)
+    assert multiple > 1 and longest > 0 and longest % multiple == 0, (multiple, facts)
+    assert f"within 0.1 GiB a rank, by the estimate: {longest} tokens" in lines[-1], lines
+
+    def total(seq_len: int) -> float:
+        at = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
+        return memory_estimate(at, facts["parameters"], facts["model_config"])["total"]
+    assert total(longest) <= 0.05 < total(longest + multiple)
+
+
+def test_a_dry_run_budget_below_what_the_length_does_not_change_says_none_fits():
+    lines, facts = run_distributed(_dry_run_within, 2, 1e-6, timeout=120)[0]
+    assert facts["longest_seq_len"] == 0 and "none" in lines[-1], lines
+
+
+def test_a_memory_budget_must_be_positive():
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer.loop import memory_budget_gib
+
+    for bad in (0, -1.0, True, "100"):
+        with pytest.raises(PlanError, match="--memory-gib"):
+            memory_budget_gib("cpu", bad)
+
+
+def test_the_cli_takes_a_memory_budget_only_with_the_dry_run(tmp_path, capsys):
+    from cpcompile.cli import main
+
+    with pytest.raises(SystemExit) as stop:
+        main(["train", str(tmp_path / "any.yaml"), "--memory-gib", "80"])
+    assert stop.value.code == 2 and "--memory-gib goes with --dry-run" in capsys.readouterr().err
+
+
 def test_byte_tokenizer_rows_hold_one_document_each(tmp_path):
     from cpcompile.trainer.config import DataSettings, TrainSettings
     from cpcompile.trainer.data import TokenStream
