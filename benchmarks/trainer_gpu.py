@@ -67,7 +67,7 @@ def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf")
                       "compile_backend": args.compile_backend, "device": args.device,
                       "gdn_checkpoint_around_core": getattr(args, "gdn_checkpoint_around_core", False),
                       "offload_layer_inputs": getattr(args, "offload_layer_inputs", False),
-                      "sdpa_backend": getattr(args, "sdpa_backend", None)},
+                      "sdpa_backend": getattr(args, "sdpa_backend", None), "verify": getattr(args, "verify", False)},
             "optimizer": {"warmup_steps": 2}}
 
 
@@ -117,7 +117,7 @@ def run_mode(args, loss: str, ac: str) -> dict:
     for index in range(args.steps):
         records.append(trainer.step(index))
         if is_rank_zero():
-            print(format_step(records[-1], args.steps), flush=True)
+            print(format_step(records[-1], args.steps) + verdict(records[-1], train_config), flush=True)
     peak_flops = args.peak_tflops * 1e12 * args.cp
     warmup = warmup_steps(train_config.train.layer_compile_backend(args.cp) is not None)
     if is_rank_zero():
@@ -127,6 +127,17 @@ def run_mode(args, loss: str, ac: str) -> dict:
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
     return {"loss": loss, "ac": ac, "tokens_per_s": args.seq_len / seconds, "seconds": seconds,
             "peak_gib": max(peaks) if peaks else None, "mfu": per_token * args.seq_len / seconds / peak_flops}
+
+
+def verdict(record: dict, train_config) -> str:
+    """With --verify: the step's judgement against the unrewritten copies (the trainer's `verify`:
+    bf16 within cpcompile/parity.py's bound of the bf16 copy's distance from the float32 copy)."""
+    from cpcompile.trainer.loop import step_failure
+
+    if not train_config.train.verify:
+        return ""
+    failure = step_failure(record, train_config.train, train_config.plan.cp_size)
+    return f"  verify: {'PASS' if failure is None else 'FAIL: ' + failure}"
 
 
 def release_memory(device: str) -> None:
@@ -206,6 +217,8 @@ def main() -> None:
                         help="train.gdn_checkpoint_around_core (cp 1, eager layers: with --compile-backend eager on "
                              "cuda): less memory a token, one more forward of the GDN layers' projections, conv, "
                              "gated norm and out_proj")
+    parser.add_argument("--verify", action="store_true",
+                        help="train.verify: judge each step against unrewritten bf16 and float32 copies (parity)")
     parser.add_argument("--sdpa-backend", default=None, choices=("cudnn", "flash", "efficient", "math"),
                         help="train.sdpa_backend: the one SDPA kernel of the attention CP does not rewrite")
     parser.add_argument("--offload-layer-inputs", action="store_true",

@@ -14,7 +14,7 @@
 #            (trainer_vs_hf.py, ~8 min), one rank's device memory through the pretrained load at
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
-#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest)
+#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -66,12 +66,24 @@ if has trainer; then
   [ "$what" = simulate ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp "${CP_SIZES:-2,4}" \
     --tokens "${TOKENS:-128K,256K}" --sdpa "${SDPA:-all_gather}" --max-seconds 570 2>&1 | tee "$out/simulate.log" | grep "^|"
   # does 512K fit, for one method (METHOD=cpcompile|hf_fused_ce; ~4-6 min each; for the trainer's lower-memory
-  # switches EXTRA="--gdn-checkpoint-around-core --offload-layer-inputs --compile-backend eager" LENGTHS=1M,
-  # WARMUP=1): the longest-length
-  # question of trainer_vs_hf.py without its doubling from 32K (the 32K-128K rows are in its results)
+  # switches EXTRA="--gdn-checkpoint-around-core --offload-layer-inputs --compile-backend eager" LENGTHS=1M
+  # WARMUP=0: one step, ~5-6 min at 1M): the longest-length question of trainer_vs_hf.py without its doubling
+  # from 32K (the 32K-128K rows are in its results)
   [ "$what" = longest ] && timeout 590 python3 benchmarks/trainer_vs_hf.py --methods "${METHOD:-hf_fused_ce}" \
     --seq-lens "${LENGTHS:-512K}" --warmup "${WARMUP:-2}" --repeat 1 --max-seconds 575 --total-seconds 580 ${EXTRA:-} \
     --out "$out/longest_${METHOD:-hf_fused_ce}.md" 2>&1 | tee "$out/longest.log" | grep -E "^\||longest"
+  # the model's own attention on cuDNN (train.sdpa_backend) against PyTorch's pick, the trainer alone at 32K and
+  # 128K (~5 min), then its bf16 parity against float32 at 8K (train.verify: unrewritten bf16 and fp32 copies)
+  if [ "$what" = attention ]; then
+    for backend in pytorch cudnn; do
+      flag=$([ "$backend" = cudnn ] && echo "--sdpa-backend cudnn")
+      timeout 290 python3 benchmarks/trainer_vs_hf.py --methods cpcompile --seq-lens 32K,128K --max-seq-len 128K \
+        --warmup 3 --repeat 3 --max-seconds 270 --total-seconds 275 $flag --out "$out/attention_$backend.md" \
+        2>&1 | tee "$out/attention_$backend.log" | grep -E "^cpcompile"
+    done
+    timeout 200 python3 benchmarks/trainer_gpu.py --seq-len 8192 --steps 4 --verify --sdpa-backend cudnn \
+      2>&1 | tee "$out/attention_verify.log" | grep -E "^step|^\|"
+  fi
   # compiled layers holding CP regions on CUDA (fake process group: runs and memory, not equivalence)
   [ "$what" = compiled_cp ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K \
     --sdpa all_gather --compile-backend inductor --max-seconds 570 2>&1 | tee "$out/compiled_cp.log" | grep "^|"
