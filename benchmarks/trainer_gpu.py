@@ -41,6 +41,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from cpcompile.trainer.sdpa_backend import SDPA_BACKENDS  # noqa: E402
+
 MODEL = dict(model_type="qwen3_5_text", vocab_size=151936, hidden_size=1024, intermediate_size=3584,
              num_hidden_layers=20, num_attention_heads=8, num_key_value_heads=2, head_dim=256,
              linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
@@ -219,7 +221,7 @@ def main() -> None:
                              "gated norm and out_proj")
     parser.add_argument("--verify", action="store_true",
                         help="train.verify: judge each step against unrewritten bf16 and float32 copies (parity)")
-    parser.add_argument("--sdpa-backend", default=None, choices=("cudnn", "flash", "efficient", "math"),
+    parser.add_argument("--sdpa-backend", default=None, choices=tuple(SDPA_BACKENDS),
                         help="train.sdpa_backend: the one SDPA kernel of the attention CP does not rewrite")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="train.offload_layer_inputs: the checkpointed layers' inputs in host memory until their "

@@ -5,7 +5,7 @@
              --compile-backend inductor --gdn-checkpoint-around-core --offload-layer-inputs --sdpa-backend cudnn
              --methods cpcompile,hf,hf_fused_ce --out FILE
     python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --out /tmp/r.md   # smoke (no search)
-    (--warmup 0 with cpcompile alone: one step, for the longest lengths; the allocator runs with
+    (--warmup 0 --repeat 1 with cpcompile alone: one step, for the longest lengths; the allocator runs with
     expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise)
 
 Three ways to train the same model (trainer_gpu.py's Qwen3.5-shaped 0.57B, random weights, seed 0)
@@ -44,6 +44,7 @@ table says how many ran. MFU: (6 x matmul parameters, the head's included,
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -55,6 +56,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
+
+from cpcompile.trainer.sdpa_backend import SDPA_BACKENDS  # noqa: E402
 
 METHODS = ("cpcompile", "hf", "hf_fused_ce")
 ROW_MARK = "ATTEMPT_ROW "
@@ -226,9 +229,8 @@ def run_attempt(args, spec: dict) -> dict:
             else:
                 step(index)
         phase = "measured steps"
-        stand_in = adam_state_stand_in(model, row) if spec["warmup"] == 0 and cuda else None
-        seconds = measure(step, spec, cuda, deadline=start + spec["deadline_s"])
-        del stand_in
+        with adam_state_stand_in(model, row, cuda and spec["warmup"] == 0):
+            seconds = measure(step, spec, cuda, deadline=start + spec["deadline_s"])
     except torch.OutOfMemoryError as exc:
         held = f"; peak allocated {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if cuda else ""
         return {**row, "note": f"OOM ({phase}: {oom_summary(exc)}{held})"}
@@ -248,17 +250,29 @@ def oom_summary(exc: Exception) -> str:
     return text.split(" If reserved but unallocated")[0].split(" See documentation")[0][:400]
 
 
-def adam_state_stand_in(model, row: dict):
+@contextlib.contextmanager
+def adam_state_stand_in(model, row: dict, needed: bool):
     """With no warm-up the measured step is the first: AdamW allocates its two float32 moments a
     parameter only in that step's optimizer update, after the backward's peak, so a later step's
-    peak would be higher by their bytes. A buffer of those bytes, held through the step, puts them in
-    the measured peak; the row says so (and that its time includes the kernels' first compilation)."""
+    peak would be higher by their bytes. A buffer of those bytes, held from the step's start until
+    its optimizer update begins (when the real moments appear), puts them in the measured peak; the
+    row says so (and that its time includes the kernels' first compilation)."""
     import torch
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    if not needed:
+        yield
+        return
     state_bytes = 2 * 4 * sum(p.numel() for p in model.parameters())
     row["note_warmup"] = (f"no warm-up: the first step, its time with the kernels' first compilation; "
-                          f"AdamW's {state_bytes / GIB:.2f} GiB of moments held by a stand-in buffer through it")
-    return torch.empty(state_bytes, dtype=torch.uint8, device="cuda")
+                          f"AdamW's {state_bytes / GIB:.2f} GiB of moments held by a stand-in buffer up to its update")
+    held = [torch.empty(state_bytes, dtype=torch.uint8, device="cuda")]
+    release = register_optimizer_step_pre_hook(lambda *_: held.clear())
+    try:
+        yield
+    finally:
+        release.remove()
+        held.clear()
 
 
 def measure(step, spec: dict, cuda: bool, deadline: float) -> list[float]:
@@ -423,7 +437,7 @@ def main() -> None:
                         help="the trainer's train.gdn_checkpoint_around_core (docs/trainer.md)")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="the trainer's train.offload_layer_inputs (docs/trainer.md)")
-    parser.add_argument("--sdpa-backend", default=None, choices=("cudnn", "flash", "efficient", "math"),
+    parser.add_argument("--sdpa-backend", default=None, choices=tuple(SDPA_BACKENDS),
                         help="the trainer's train.sdpa_backend (docs/trainer.md); the peers keep PyTorch's choice")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
@@ -436,9 +450,11 @@ def main() -> None:
         print(ROW_MARK + json.dumps(row), flush=True)
         return
     methods = args.methods.split(",")
-    if any(m not in METHODS for m in methods) or args.repeat < 1 or args.warmup < (0 if methods == ["cpcompile"] else 1):
-        parser.error(f"--methods takes {', '.join(METHODS)}; --repeat is >= 1, --warmup too but for cpcompile "
-                     "alone (0: one step at the longest lengths, whose compiled layers would compile in it)")
+    one_step = methods == ["cpcompile"] and args.warmup == 0 and args.repeat == 1
+    if any(m not in METHODS for m in methods) or args.repeat < 1 or (args.warmup < 1 and not one_step):
+        parser.error(f"--methods takes {', '.join(METHODS)}; --warmup and --repeat are >= 1, but for cpcompile "
+                     "alone --warmup 0 --repeat 1 (one step, for the longest lengths; compiled layers would compile "
+                     "in it)")
     # every attempt's allocator (the children inherit it): at 512K+ tokens the largest tensors are GiBs
     # of varying sizes, and the default segments left 5 GiB free but unusable in a 1M attempt
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")

@@ -118,6 +118,8 @@ def _offload_hidden_states(layer: torch.nn.Module, pin_memory: bool) -> None:
 
     @functools.wraps(inner)
     def forward(hidden_states, *args, **kwargs):
+        if not torch.is_grad_enabled():  # nothing is saved: no hooks, and no read of the input's address
+            return inner(hidden_states, *args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(*_to_host_hooks(hidden_states, pin_memory)):
             return inner(hidden_states, *args, **kwargs)
 
@@ -128,10 +130,10 @@ def _to_host_hooks(moved: torch.Tensor, pin_memory: bool):
     """(pack, unpack): `moved` goes to host memory (pinned: its copies are asynchronous, ordered on
     the stream that made it) and comes back to its device; any other saved tensor stays as it is.
     `moved` is recognised by its data, not its identity: a compiled layer saves an alias of it. The
-    hooks hold its address and layout, never the tensor: the autograd graph keeps `unpack` (and so
-    everything it closes over) until the backward, and a reference there would keep the device copy
-    alive beside the host one. Its address cannot name another tensor while pack runs (the layer's
-    forward, which holds `moved`)."""
+    hooks hold its address and layout, never the tensor: autograd keeps both hooks with every tensor
+    saved under them until the backward, and `pack` closing over `moved` kept the device copy alive
+    beside the host one (the first version did). Its address cannot name another tensor while pack
+    runs (inside the layer's forward, whose frame holds `moved`)."""
     layout = (moved.data_ptr(), moved.shape, moved.stride(), moved.dtype)
 
     def is_moved(tensor) -> bool:

@@ -363,7 +363,8 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib:
         trainer = build_trainer(probe_config, progress, load_weights=False)
     accelerator = config.plan.accelerator
     regions = rewritten_regions(trainer.model)
-    estimate = memory_estimate(config, parameter_count(trainer.model), trainer.model.config)
+    parameters = parameter_count(trainer.model)
+    estimate = memory_estimate(config, parameters, trainer.model.config)
     if is_rank_zero():
         log(f"mesh: {accelerator.world_size_formula()}; FSDP2 over dp_shard x cp = "
             f"{accelerator.dp_shard_size * accelerator.cp_size} ranks, replicated over dp_replicate = "
@@ -374,9 +375,9 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib:
             log(f"  {name}: {method}")
         log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
     facts = {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe,
-             "parameters": parameter_count(trainer.model), "model_config": trainer.model.config}
+             "parameters": parameters, "model_config": trainer.model.config}
     if budget is not None:
-        facts["longest_seq_len"] = memory.longest_seq_len(config, facts["parameters"], trainer.model.config, budget,
+        facts["longest_seq_len"] = memory.longest_seq_len(config, parameters, trainer.model.config, budget,
                                                           seq_len_multiple(config.plan))
         if is_rank_zero():
             log(describe_longest(facts["longest_seq_len"], budget))
@@ -384,14 +385,16 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib:
 
 
 def memory_budget_gib(device: str, memory_gib: float | None) -> float | None:
-    """The per-rank memory the dry run fits the length to: `memory_gib`, else a CUDA device's total
-    (this process's device), else none."""
+    """The per-rank memory the dry run fits the length to: `memory_gib`, else the total of the CUDA
+    device this rank will use (torchrun's LOCAL_RANK, as `build_mesh` picks it), else none."""
     if memory_gib is not None:
         if isinstance(memory_gib, bool) or not isinstance(memory_gib, (int, float)) or not memory_gib > 0:
             raise PlanError("--memory-gib", f"must be a positive number of GiB, got {memory_gib!r}")
         return float(memory_gib)
     if device == "cuda" and torch.cuda.is_available():
-        return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / memory.GIB
+        local_rank = os.environ.get("LOCAL_RANK")
+        device = int(local_rank) if local_rank is not None else torch.cuda.current_device()
+        return torch.cuda.get_device_properties(device).total_memory / memory.GIB
     return None
 
 
@@ -402,10 +405,11 @@ def seq_len_multiple(plan: Plan) -> int:
 
 
 def describe_longest(seq_len: int, budget_gib: float) -> str:
+    """The dry run's line for `memory.longest_seq_len`'s answer."""
     if seq_len == 0:
-        return (f"longest train.seq_len within {budget_gib:.1f} GiB a rank: none (the estimate's parts that do not "
+        return (f"longest train.seq_len within {budget_gib:.4g} GiB a rank: none (the estimate's parts that do not "
                 f"depend on the length exceed it)")
-    return (f"longest train.seq_len within {budget_gib:.1f} GiB a rank, by the estimate: {seq_len} tokens "
+    return (f"longest train.seq_len within {budget_gib:.4g} GiB a rank, by the estimate: {seq_len} tokens "
             f"(its accuracy against measured peaks: docs/trainer.md, 'The memory estimate')")
 
 

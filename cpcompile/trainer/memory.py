@@ -84,6 +84,8 @@ peak was 3-7% below this eager count on the H200 (docs/trainer.md).
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from .config import DTYPES, TrainConfig
@@ -100,28 +102,29 @@ def estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]
     return gib
 
 
-# the longest length searched: the GDN kernels index tokens in 32 bits (kernels/gdn/triton/capability.py)
+# where the search for the longest length stops: a bound on the search, far past what one device
+# holds of any model (a length past what a model's kernels take is theirs to refuse at start-up)
 LONGEST_SEARCHED = 1 << 30
 
 
 def longest_seq_len(config: TrainConfig, params: int, model_config, budget_gib: float, multiple: int) -> int:
-    """The longest `train.seq_len`, a multiple of `multiple` (what the plan's layout needs), whose
-    estimated `total` is within `budget_gib`; 0 when not even `multiple` is. Every term that depends
-    on the length grows with it, so doubling then bisecting finds the boundary."""
-    import dataclasses
-
+    """The longest `train.seq_len`, a multiple of `multiple` (what the plan's layout needs) up to
+    `LONGEST_SEARCHED`, whose estimated `total` is within `budget_gib`; 0 when not even `multiple`
+    is. Every term that depends on the length grows with it, so doubling then bisecting finds the
+    boundary."""
     def fits(seq_len: int) -> bool:
         train = dataclasses.replace(config.train, seq_len=seq_len)
         return estimate(dataclasses.replace(config, train=train), params, model_config)["total"] <= budget_gib
 
     if not fits(multiple):
         return 0
-    low = multiple  # fits
-    while low * 2 <= LONGEST_SEARCHED and fits(low * 2):
-        low *= 2
-    if low * 2 > LONGEST_SEARCHED:
-        return low
-    high = low * 2  # does not fit
+    cap = LONGEST_SEARCHED // multiple * multiple
+    low, high = multiple, None  # low fits; high, once known, does not
+    while high is None:
+        candidate = min(2 * low, cap)
+        if candidate == low:
+            return low
+        low, high = (candidate, None) if fits(candidate) else (low, candidate)
     while high - low > multiple:
         middle = (low + high) // 2 // multiple * multiple
         low, high = (middle, high) if fits(middle) else (low, middle)
