@@ -29,7 +29,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 gpus=$(nvidia-smi -L | wc -l)
 has() { [[ " $sections " == *" $1 "* ]]; }
 if has tests; then
-  timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/sdpa tests/gdn -s \
+  timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/sdpa tests/gdn \
+    tests/train/test_sdpa_backend.py -s \
     2>&1 | tee "$out/gpu_tests.log" | grep -E "vs |errors|passed|failed|Error"
 fi
 if has attn; then

@@ -63,3 +63,49 @@ def test_a_cuda_kernel_is_refused_on_cpu(backend):
 def test_an_unknown_backend_is_refused():
     message = refusal(without_cp(qwen3_5_config(0, sdpa_backend="fastest")))
     assert "train.sdpa_backend" in message and "cudnn" in message
+
+
+def _kernels_on_cuda(backend: str | None) -> Counter:
+    """Three steps of the benchmark's small model on CUDA (bf16 compute, eager layers, every layer
+    checkpointed), this process its only rank; -> the SDPA kernel ops the third step ran."""
+    import argparse
+    import os
+    import sys
+
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "benchmarks"))
+    from trainer_gpu import config
+
+    from cpcompile.trainer import load_train_config
+    from cpcompile.trainer.loop import build_trainer
+
+    args = argparse.Namespace(cp=1, steps=3, seq_len=2048, small=True, device="cuda", loss_chunk_tokens=4096,
+                              compile_backend="eager", gdn_backend=None, sdpa_backend=backend)
+    try:
+        trainer = build_trainer(load_train_config(config(args)))
+        trainer.step(0)
+        trainer.step(1)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            trainer.step(2)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return Counter(e.name.removeprefix("aten::") for e in profile.events() if "_scaled_dot_product_" in e.name)
+
+
+@pytest.mark.gpu
+def test_gpu_cudnn_runs_the_attention_forward_replay_and_backward():
+    """On CUDA: PyTorch picks another kernel than cuDNN's for the model's attention (flash on an
+    H200); with `sdpa_backend: cudnn` cuDNN's runs it instead, twice a layer forward (forward,
+    replay) and once backward, and flash does not run."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    default, cudnn = _kernels_on_cuda(None), _kernels_on_cuda("cudnn")
+    flash, cudnn_op = "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"
+    assert sum(default.values()) > 0 and default[cudnn_op] == 0, default
+    assert cudnn[flash] == 0 and cudnn[flash + "_backward"] == 0, cudnn
+    assert cudnn[cudnn_op] == 2 * cudnn[cudnn_op + "_backward"] > 0, cudnn
