@@ -102,6 +102,12 @@ def estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]
     return gib
 
 
+def total_at_length(config: TrainConfig, params: int, model_config, seq_len: int) -> float:
+    """The estimate's `total` (GiB) for `config` with `train.seq_len` set to `seq_len`."""
+    at = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
+    return estimate(at, params, model_config)["total"]
+
+
 # where the search for the longest length stops: a bound on the search, far past what one device
 # holds of any model (a length past what a model's kernels take is theirs to refuse at start-up)
 LONGEST_SEARCHED = 1 << 30
@@ -113,8 +119,7 @@ def longest_seq_len(config: TrainConfig, params: int, model_config, budget_gib: 
     is. Every term that depends on the length grows with it, so doubling then bisecting finds the
     boundary."""
     def fits(seq_len: int) -> bool:
-        train = dataclasses.replace(config.train, seq_len=seq_len)
-        return estimate(dataclasses.replace(config, train=train), params, model_config)["total"] <= budget_gib
+        return total_at_length(config, params, model_config, seq_len) <= budget_gib
 
     if not fits(multiple):
         return 0

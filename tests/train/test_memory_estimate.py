@@ -166,24 +166,13 @@ def test_the_lower_memory_switches_take_off_what_they_move(model):
 def test_the_longest_length_that_fits_is_where_the_estimate_crosses_the_budget(model):
     """`memory.longest_seq_len` (the dry run's `--memory-gib`): at the H200's 139.8 GiB the estimate
     fits the length it names and not one token more; each lower-memory switch lengthens it."""
-    import dataclasses
-
-    from cpcompile.trainer.loop import memory_estimate
-    from cpcompile.trainer.memory import longest_seq_len
+    from cpcompile.trainer.memory import longest_seq_len, total_at_length
 
     params = sum(p.numel() for p in model.parameters())
-    plain = _config(1, 1 << 15, "chunked")
-
-    def switched(**switches):
-        return dataclasses.replace(plain, train=dataclasses.replace(plain.train, **switches).validate())
-
-    def total(config, seq_len: int) -> float:
-        at = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
-        return memory_estimate(at, params, model.config)["total"]
-
     longest = {}
-    for name, config in {"plain": plain, "around": switched(gdn_checkpoint_around_core=True),
-                         "both": switched(gdn_checkpoint_around_core=True, offload_layer_inputs=True)}.items():
+    for name, switches in {"plain": {}, "around": AROUND_CORE, "both": BOTH}.items():
+        config = _config(1, 1 << 15, "chunked", **switches)
         longest[name] = longest_seq_len(config, params, model.config, 139.8, 1)
-        assert total(config, longest[name]) <= 139.8 < total(config, longest[name] + 1), name
+        at, past = (total_at_length(config, params, model.config, n) for n in (longest[name], longest[name] + 1))
+        assert at <= 139.8 < past, name
     assert longest["plain"] < longest["around"] < longest["both"], longest

@@ -95,10 +95,9 @@ def _dry_run_within(rank: int, world: int, memory_gib: float) -> tuple[list[str]
 def test_a_dry_run_with_a_memory_budget_names_the_longest_length_that_fits():
     """cp 2 (a plan whose layout wants seq_len a multiple of the CP size): the longest length is a
     multiple of it, the estimate at it fits the budget and one multiple more does not."""
-    import dataclasses
-
     from cpcompile.trainer import load_train_config
-    from cpcompile.trainer.loop import memory_estimate, seq_len_multiple
+    from cpcompile.trainer.loop import seq_len_multiple
+    from cpcompile.trainer.memory import total_at_length
 
     lines, facts = run_distributed(_dry_run_within, 2, 0.05, timeout=120)[0]
     longest = facts["longest_seq_len"]
@@ -108,8 +107,7 @@ def test_a_dry_run_with_a_memory_budget_names_the_longest_length_that_fits():
     assert f"within 0.05 GiB a rank, by the estimate: {longest} tokens" in lines[-1], lines
 
     def total(seq_len: int) -> float:
-        at = dataclasses.replace(config, train=dataclasses.replace(config.train, seq_len=seq_len))
-        return memory_estimate(at, facts["parameters"], facts["model_config"])["total"]
+        return total_at_length(config, facts["parameters"], facts["model_config"], seq_len)
     assert total(longest) <= 0.05 < total(longest + multiple)
 
 
