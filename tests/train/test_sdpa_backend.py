@@ -96,16 +96,17 @@ def _kernels_on_cuda(backend: str | None) -> Counter:
 
 
 @pytest.mark.gpu
-def test_gpu_cudnn_runs_the_attention_forward_replay_and_backward():
-    """On CUDA: PyTorch picks another kernel than cuDNN's for the model's attention (flash on an
-    H200); with `sdpa_backend: cudnn` cuDNN's runs it instead, twice a layer forward (forward,
-    replay) and once backward, and flash does not run."""
+@pytest.mark.parametrize("chosen, other", [("cudnn", "flash"), ("flash", "cudnn")])
+def test_gpu_the_chosen_kernel_runs_the_attention_forward_replay_and_backward(chosen, other):
+    """On CUDA, with `sdpa_backend` set, that kernel runs the model's attention, twice a layer
+    forward (forward, replay) and once backward, and the other fused kernel never does. Both
+    directions: PyTorch 2.11's own pick on an H200 is cuDNN already, so only `flash` changes it
+    there."""
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    default, cudnn = _kernels_on_cuda(None), _kernels_on_cuda("cudnn")
-    flash, cudnn_op = "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention"
-    assert sum(default.values()) > 0 and default[cudnn_op] == 0, default
-    assert cudnn[flash] == 0 and cudnn[flash + "_backward"] == 0, cudnn
-    assert cudnn[cudnn_op] == 2 * cudnn[cudnn_op + "_backward"] > 0, cudnn
+    kernels = _kernels_on_cuda(chosen)
+    chosen_op, other_op = (f"_scaled_dot_product_{name}_attention" for name in (chosen, other))
+    assert kernels[other_op] == 0 and kernels[other_op + "_backward"] == 0, kernels
+    assert kernels[chosen_op] == 2 * kernels[chosen_op + "_backward"] > 0, kernels
