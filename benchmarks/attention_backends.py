@@ -3,7 +3,8 @@
     python benchmarks/attention_backends.py [--seq 32768 131072] [--heads 8 2 256] [--out FILE]
 
 At cp 1 the trainer does not rewrite attention: the model's own SDPA call runs, and PyTorch picks
-its backend (flash on an H200 for this call). Under CP our local kernels prefer cuDNN, 1.5-1.7x
+its backend (cuDNN's in the trainer on an H200 with torch 2.11: `trainer_gpu.py --profile`; this
+script times each backend forced, not PyTorch's pick). Under CP our local kernels prefer cuDNN, 1.5-1.7x
 flash at head dim 64/128 (local_attention.py). This asks the same of the 0.57B model's attention
 (8 query heads, 2 KV heads of 256): each backend PyTorch has, forward and forward+backward
 (median ms, triton.testing.do_bench), with grouped heads passed as they are (`enable_gqa`) or

@@ -35,6 +35,7 @@ Smoke: `--simulate-cp 2 --small --device cpu --tokens 64`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -117,7 +118,8 @@ def run_mode(args, loss: str, ac: str) -> dict:
     if args.device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for index in range(args.steps):
-        records.append(trainer.step(index))
+        with profiled(args.profile and index == args.steps - 1, args.device):
+            records.append(trainer.step(index))
         if is_rank_zero():
             print(format_step(records[-1], args.steps) + verdict(records[-1], train_config), flush=True)
     peak_flops = args.peak_tflops * 1e12 * args.cp
@@ -129,6 +131,25 @@ def run_mode(args, loss: str, ac: str) -> dict:
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
     return {"loss": loss, "ac": ac, "tokens_per_s": args.seq_len / seconds, "seconds": seconds,
             "peak_gib": max(peaks) if peaks else None, "mfu": per_token * args.seq_len / seconds / peak_flops}
+
+
+@contextlib.contextmanager
+def profiled(enabled: bool, device: str, rows: int = 30):
+    """With --profile, around the last step: PyTorch's profiler, then its kernels by device time
+    (which attention, GDN and matmul kernels the step ran, and their share)."""
+    if not enabled:
+        yield
+        return
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        yield
+    sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return
+    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=90), flush=True)
 
 
 def verdict(record: dict, train_config) -> str:
@@ -219,6 +240,8 @@ def main() -> None:
                         help="train.gdn_checkpoint_around_core (cp 1, eager layers: with --compile-backend eager on "
                              "cuda): less memory a token, one more forward of the GDN layers' projections, conv, "
                              "gated norm and out_proj")
+    parser.add_argument("--profile", action="store_true",
+                        help="profile the last step; print its kernels by device time")
     parser.add_argument("--verify", action="store_true",
                         help="train.verify: judge each step against unrewritten bf16 and float32 copies (parity)")
     parser.add_argument("--sdpa-backend", default=None, choices=tuple(SDPA_BACKENDS),

@@ -1,10 +1,11 @@
 """`train.sdpa_backend`: the one PyTorch SDPA kernel the model's own attention calls run on.
 
 At cp 1 (and for any attention CP does not rewrite) the model's SDPA call runs as transformers
-wrote it, and PyTorch picks the kernel: flash on an H200 for the 0.57B benchmark model's heads
-(8 query, 2 KV, dim 256), where cuDNN's is 1.5-1.6x faster forward+backward
-(benchmarks/results/attention_backends_2026-12-03_NVIDIA-H200.md). The rewritten CP regions choose
-their own kernels (`kernels/attention`) and do not read this.
+wrote it, and PyTorch picks the kernel: cuDNN's on an H200 (torch 2.11) for the 0.57B benchmark
+model's heads (8 query, 2 KV, dim 256), read from the profiler in the trainer's step
+(benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). The setting pins a kernel, for a
+comparison or where PyTorch's pick differs. The rewritten CP regions choose their own kernels
+(`kernels/attention`) and do not read this.
 
 The setting makes the named backend the only one SDPA may use for the step's forward and backward
 (the checkpoint replays run in the backward, and must choose as the forward did: a replay that

@@ -28,7 +28,7 @@ def _config(cp: int, seq_len: int, loss: str, ac: str = "every_layer", sdpa: str
     from cpcompile.trainer import load_train_config
 
     args = argparse.Namespace(cp=cp, steps=3, seq_len=seq_len, small=False, device="cpu", loss_chunk_tokens=4096,
-                              compile_backend=None, gdn_backend=None, **switches)
+                              gdn_backend=None, **{"compile_backend": None, **switches})
     return load_train_config(config(args, loss, ac, sdpa))
 
 
@@ -66,6 +66,7 @@ H200_PEAKS = [
     (1, 1 << 19, "chunked", "every_layer", "sdpa_hf", 80.59, AROUND_CORE),
     (1, 3 << 18, "chunked", "every_layer", "sdpa_hf", 117.27, AROUND_CORE),
     (1, 1 << 17, "chunked", "every_layer", "sdpa_hf", 22.22, BOTH),  # the offload fixed
+    (1, 1 << 20, "chunked", "every_layer", "sdpa_hf", 117.36, BOTH),  # 1M, the fixed offload (one step)
 ]
 H200_PEAKS = [row if len(row) == 7 else (*row, {}) for row in H200_PEAKS]  # the switches: none
 
@@ -104,6 +105,17 @@ def test_terms_follow_the_mesh_and_the_modes(model):
     assert off["activations"] > 10 * one["activations"] and off["total"] > one["total"]
     full = memory_estimate(_config(1, 32768, "full"), params, model.config)
     assert full["loss"] > 5 * one["loss"]
+
+
+def test_a_compiled_chunked_loss_holds_its_logit_gradient_in_the_compute_dtype(model):
+    """With a compile backend the chunk's float copy is fused away: in bfloat16 the loss term is one
+    chunk x vocabulary x 2 bytes smaller."""
+    from cpcompile.trainer.loop import memory_estimate
+
+    params = sum(p.numel() for p in model.parameters())
+    eager = memory_estimate(_config(1, 32768, "chunked"), params, model.config)
+    compiled = memory_estimate(_config(1, 32768, "chunked", compile_backend="inductor"), params, model.config)
+    assert eager["loss"] - compiled["loss"] == pytest.approx(4096 * 151936 * 2 / 2**30)
 
 
 def test_allgather_keeps_the_other_ranks_keys_and_values(model):
