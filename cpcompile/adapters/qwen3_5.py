@@ -98,7 +98,7 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
 
     `document_positions` (`[B or 1, T]`, a packed batch only) are the tokens' positions inside
     their documents: the state resets where they are 0, and the conv reads no token of an earlier
-    document (`conv_within_documents`). Positions are all the layer needs, on a CP rank too: the
+    document (`conv_taps`). Positions are all the layer needs, on a CP rank too: the
     halo the rewrite fills in comes from before a token only when its position says it may.
 
     `checkpoint_around_core` (the trainer's `train.gdn_checkpoint_around_core`, without CP) runs
@@ -148,10 +148,10 @@ def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mas
     history = F.pad(mixed.to(weight.dtype), (weight.shape[-1] - 1, 0))  # causal left context: CP fills it
     starts = None
     if document_positions is None:
-        conv = F.conv1d(history, weight, layer.conv1d.bias, groups=mixed.shape[1])
+        conv = causal_conv(history, weight, layer.conv1d.bias)
     else:
         positions = document_positions.expand(batch, length)
-        conv = conv_within_documents(history, weight, layer.conv1d.bias, positions)
+        conv = conv_taps(history, weight, layer.conv1d.bias, positions)
         starts = positions == 0
     mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
 
@@ -160,26 +160,52 @@ def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mas
     query = l2norm(query.reshape(batch, length, -1, key_dim).float())
     key = l2norm(key.reshape(batch, length, -1, key_dim).float())
     value = value.reshape(batch, length, -1, value_dim)
+    if torch.compiler.is_dynamo_compiling():
+        # q, k and v are token-strided views of the conv's [B, C, T] output, and the core's kernels
+        # copy them to [B, T, H, D] first (after casting q and k to v's dtype, eagerly the cheaper
+        # copy). Compiled, the fused kernels that make them write that layout themselves; inductor
+        # would otherwise reproduce the eager strides for the custom op (a transposing copy each,
+        # in the forward, the replay and the backward).
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
     return query, key, value, g, beta, z, starts
 
 
-def conv_within_documents(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                          positions: torch.Tensor) -> torch.Tensor:
-    """The causal depthwise conv, each output reading only tokens of its own document.
+def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv of one document a row (`history`: the input with its left context).
+
+    Under `torch.compile` (Dynamo tracing: the trainer's compiled layers) it is `conv_taps`' K
+    shifted multiply-adds, which inductor fuses with the transposes, the pad, the SiLU and the
+    casts around them into a few memory-bound kernels (and their backward, the weight's gradient
+    included); `F.conv1d` would stay an opaque kernel there, and PyTorch's depthwise conv kernel on
+    CUDA took 2.2 ms for a [32K, 6144] bfloat16 input on an H200, several times that input's memory
+    time (benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). Eagerly, and in the graphs
+    `torch.export` traces for the CP rewrite, `F.conv1d`: one kernel, and autograd keeps only its
+    input (the taps' would keep each tap's product). The taps sum in float32 at least, as the conv
+    kernels accumulate (fused, the float copies are registers, not memory)."""
+    if torch.compiler.is_dynamo_compiling():
+        wide = torch.promote_types(history.dtype, torch.float32)
+        return conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(history.dtype)
+    return F.conv1d(history, weight, bias, groups=history.shape[1])
+
+
+def conv_taps(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal depthwise conv as K elementwise terms, linear in T; with `positions`, each output
+    reads only tokens of its own document.
 
     `history [B, C, T + K - 1]` is the conv input with its K − 1 tokens of left context, `weight
-    [C, 1, K]`, `positions [B, T]`. Output t reads the token j steps back (weight tap K − 1 − j)
-    only when `j <= positions[t]`: a token of another document is never read (not read and
-    subtracted), so moving it changes nothing, bit for bit. K elementwise terms, linear in T.
+    [C, 1, K]`, `positions [B, T]`. Output t reads the token j steps back (weight tap K − 1 − j);
+    with `positions` only when `j <= positions[t]`: a token of another document is never read (not
+    read and subtracted), so moving it changes nothing, bit for bit.
     """
-    kernel, length = weight.shape[-1], positions.shape[-1]
+    kernel, length = weight.shape[-1], history.shape[-1] - weight.shape[-1] + 1
     out = None
     for tap in range(kernel):
         back = kernel - 1 - tap
         tokens = history[..., tap:tap + length]
-        if back:
+        if back and positions is not None:
             tokens = torch.where((positions >= back)[:, None], tokens, 0.0)
         term = tokens * weight[:, 0, tap, None]
         out = term if out is None else out + term

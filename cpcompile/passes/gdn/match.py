@@ -67,7 +67,7 @@ class GdnMatch(CoreMatch):
 
 def _feeds_conv(pad: fx.Node) -> bool:
     """The pad feeds the conv: `conv1d` itself, or (packed documents) only slices, one per tap of
-    `conv_within_documents`."""
+    `conv_taps`."""
     users = list(pad.users)
     return any(u.target in CONV_OPS for u in users) or bool(users) and all(u.target in SLICE_OPS for u in users)
 
