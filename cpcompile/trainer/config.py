@@ -35,8 +35,9 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # model's logits, then F.cross_entropy (for comparison)
       loss_chunk_tokens: 4096   # chunked: tokens per chunk; its logits [chunk, vocabulary] are the
                                 # loss's largest tensors
-      compile_backend: null     # torch.compile of each decoder layer (CP regions and checkpoint inside):
-                                # a backend torch.compiler.list_backends knows (inductor, aot_eager);
+      compile_backend: null     # torch.compile of each decoder layer (CP regions and checkpoint inside),
+                                # and of the chunked loss's per-chunk elementwise work: a backend
+                                # torch.compiler.list_backends knows (inductor, aot_eager);
                                 # eager: not compiled; null: inductor on CUDA at cp 1, else eager
       gdn_backend: null         # eager | triton: run every GDN layer through cpcompile's own core,
                                 # also where CP does not rewrite it (cp 1); null: transformers' path

@@ -39,15 +39,17 @@ MARK = "_cpcompile_chunked_loss"
 CHECK_LOGIT_SCALE = 8.0
 
 
-def use_loss(model: nn.Module, settings) -> None:
-    """Install `train.loss: chunked` on a freshly built model (`full` needs nothing)."""
+def use_loss(model: nn.Module, settings, compile_backend: str | None = None) -> None:
+    """Install `train.loss: chunked` on a freshly built model (`full` needs nothing);
+    `compile_backend`: the layers' (`linear_cross_entropy_sum` compiles its chunk work with it)."""
     if settings.loss == "chunked":
-        use_chunked_loss(model, settings.loss_chunk_tokens)
+        use_chunked_loss(model, settings.loss_chunk_tokens, compile_backend)
 
 
-def use_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
+def use_chunked_loss(model: nn.Module, chunk_tokens: int, compile_backend: str | None = None) -> None:
     """Install the chunked loss on `model` (before CP, TP and FSDP2): afterwards
-    `chunked_loss_sum(model, inputs, targets)` is this rank's loss sum."""
+    `chunked_loss_sum(model, inputs, targets)` is this rank's loss sum; `compile_backend` as
+    `linear_cross_entropy_sum` takes it."""
     if uses_chunked_loss(model):
         raise RuntimeError(f"use_chunked_loss: {type(model).__name__} has the chunked loss already")
     head = plain_linear_head(model)
@@ -62,7 +64,7 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int) -> None:
             return plain_forward(*args, **kwargs)
         if args:
             raise TypeError("the chunked loss takes the model's inputs by keyword (input_ids=..., ...)")
-        return _loss_sum(model, kwargs, targets, chunk_tokens, softcap)
+        return _loss_sum(model, kwargs, targets, chunk_tokens, softcap, compile_backend)
 
     model.forward = forward
     setattr(model, MARK, chunk_tokens)
@@ -86,7 +88,8 @@ def chunked_loss_inputs(inputs: dict, targets: torch.Tensor) -> dict:
     return {**inputs, TARGETS_KEYWORD: targets}
 
 
-def _loss_sum(model, inputs: dict, targets, chunk_tokens: int, softcap: float | None) -> torch.Tensor:
+def _loss_sum(model, inputs: dict, targets, chunk_tokens: int, softcap: float | None,
+              compile_backend: str | None) -> torch.Tensor:
     keep = inputs.pop("logits_to_keep", 0)
     if not (isinstance(keep, int) and keep == 0):
         raise PlanError("train.loss", f"chunked: the batch asks for logits_to_keep={keep!r}, but the loss needs every "
@@ -98,7 +101,7 @@ def _loss_sum(model, inputs: dict, targets, chunk_tokens: int, softcap: float | 
                            "model's own call, where FSDP2 gathers it (use chunked_loss_sum), and a tensor-parallel "
                            "head is not supported")
     return linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                    chunk_tokens, softcap)
+                                    chunk_tokens, softcap, compile_backend)
 
 
 def base_model(model: nn.Module) -> nn.Module:

@@ -62,7 +62,9 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   bfloat16 against 164 for the core's); a checkpointed layer adds its kept input, a selective one
   also the down projection's saved output, which its replay stops before.
 - `loss: chunked`: one chunk's logits in c while their float copy is made (or, in the backward,
-  the float gradient while its c copy is made): loss_chunk_tokens x vocab x (c + f), the head's
+  the float gradient while its c copy is made): loss_chunk_tokens x vocab x (c + f); with a
+  compile backend (the layers'), the logits and their gradient, both in c, the float work fused
+  away: loss_chunk_tokens x vocab x 2c; the head's
   weight gradient accumulated in float (vocab x h x f) and the hidden states' gradient (T x h x
   c); `loss: full`: the log-softmax output, its gradient and the logits' gradient, all in float
   (T x vocab x 3 f: the logits in c are gone by then). The final norm keeps (upcast + f + c) x h.
@@ -149,7 +151,8 @@ def _terms_and_moments(config: TrainConfig, params: int, model_config) -> tuple[
     terms = {"states": 4 * params * sizes.param / shards,
              "fsdp_buffers": root + max(layer_fsdp),
              "activations": sum(kept) + final_norm_bytes(text, sizes) * tokens,
-             "loss": loss_bytes(settings, text, sizes, tokens),
+             "loss": loss_bytes(settings, text, sizes, tokens,
+                                compiled=settings.layer_compile_backend(accelerator.cp_size) is not None),
              "layer_backward": max(peak - keep for peak, keep in zip(peaks, kept))}
     resident = 3 * params * sizes.param / shards  # parameters and moments: zero_grad(set_to_none) freed the gradients
     last_layer = layer_parameters(text, layer_kinds(text)[-1]) * sizes.compute  # stays gathered after the forward
@@ -419,13 +422,16 @@ def attention_core_backward_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str
     return query * c + 2 * keys * c + query * f + per_query_head
 
 
-def loss_bytes(settings, text, sizes: _ElementSizes, tokens: int) -> int:
-    """The loss's buffers at their peak, in its backward (module doc)."""
+def loss_bytes(settings, text, sizes: _ElementSizes, tokens: int, compiled: bool = False) -> int:
+    """The loss's buffers at their peak, in its backward (module doc); `compiled`: the chunked
+    loss's chunk work compiled (`linear_cross_entropy_sum`'s compile_backend)."""
     f = 8 if sizes.compute == 8 else 4  # the loss runs in float32, float64 for a float64 model
     if settings.loss == "full":
         return 3 * f * tokens * text.vocab_size
     rows, vocab, hidden = min(tokens, settings.loss_chunk_tokens), text.vocab_size, text.hidden_size
-    chunk = rows * vocab * (sizes.compute + f)  # the logits in c while their float copy is made, or the reverse
+    # eager: the logits in c while their float copy is made, or the reverse; compiled: the logits
+    # and their gradient in c
+    chunk = rows * vocab * (sizes.compute + (sizes.compute if compiled else f))
     weight_gradient = vocab * hidden * f
     return max(chunk + weight_gradient, vocab * hidden * (f + sizes.compute)) + tokens * hidden * sizes.compute
 

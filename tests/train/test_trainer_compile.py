@@ -1,6 +1,7 @@
 """The trainer's `compile_backend` where CP is on: at cp 2 (GDN State-P2P + SDPA AllGather), every
 layer checkpointed and compiled with aot_eager, float64, the run follows the eager run step by step,
-and Dynamo compiled each decoder layer as one graph, without a graph break."""
+and Dynamo compiled each decoder layer as one graph, without a graph break (and the chunked loss's
+chunk work, which the backend compiles too)."""
 from __future__ import annotations
 
 import random
@@ -20,17 +21,29 @@ def _eager_and_compiled(rank: int, world: int, seed: int) -> dict:
     counters.clear()
     compiled = _curves(_run(qwen3_5_config(seed, activation_checkpointing="every_layer", compile_backend="aot_eager")))
     return {"eager": eager, "compiled": compiled, "graph_breaks": dict(counters["graph_break"]),
-            "unsupported": sum(counters["unimplemented"].values()), "graphs": counters["stats"]["unique_graphs"]}
+            "unsupported": sum(counters["unimplemented"].values()), "graphs": counters["stats"]["unique_graphs"],
+            "loss_graphs": _loss_graphs()}
+
+
+def _loss_graphs() -> int:
+    """The graphs Dynamo holds for the chunked loss's compiled chunk work (its forward's and its
+    backward's function; one per chunk shape)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    from cpcompile.linear_cross_entropy import _fused_logit_gradient, _fused_loss_terms
+
+    return sum(len(_debug_get_cache_entry_list(fn.__code__)) for fn in (_fused_loss_terms, _fused_logit_gradient))
 
 
 def test_compiled_checkpointed_layers_follow_the_eager_run():
     """Each step's loss, gradient norm and learning rate within 1e-12 of the eager run's (the first
     step runs eagerly: each layer's first call of a signature traces its regions, `cpcompile.compiled`);
-    no graph break, nothing Dynamo could not trace, one graph per decoder layer."""
+    no graph break, nothing Dynamo could not trace, one graph per decoder layer, and the chunked
+    loss's chunk work compiled too (its forward's and its backward's)."""
     for result in run_distributed(_eager_and_compiled, 2, random.randrange(1 << 30), timeout=300):
         assert _close(result["compiled"], result["eager"], 1e-12), (result["compiled"], result["eager"])
         assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
-        assert result["graphs"] == LAYERS, result
+        assert result["loss_graphs"] >= 2 and result["graphs"] == LAYERS + result["loss_graphs"], result
 
 
 def test_compile_backend_null_is_the_device_default_without_cp_and_eager_with_it():
