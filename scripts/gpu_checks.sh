@@ -14,7 +14,7 @@
 #            (trainer_vs_hf.py, ~8 min), one rank's device memory through the pretrained load at
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
-#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention)
+#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -30,7 +30,7 @@ gpus=$(nvidia-smi -L | wc -l)
 has() { [[ " $sections " == *" $1 "* ]]; }
 if has tests; then
   timeout 900 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels tests/sdpa tests/gdn \
-    tests/train/test_sdpa_backend.py -s \
+    tests/train/test_sdpa_backend.py tests/train/test_linear_cross_entropy.py -s \
     2>&1 | tee "$out/gpu_tests.log" | grep -E "vs |errors|passed|failed|Error"
 fi
 if has attn; then
@@ -85,6 +85,18 @@ if has trainer; then
     done
     timeout 150 python3 benchmarks/trainer_gpu.py --seq-len 8192 --steps 4 --verify --sdpa-backend cudnn \
       2>&1 | tee "$out/attention_verify.log" | grep -E "^step|^\|"
+  fi
+  # the 32K step against the fused-loss peer in one run, then where its time goes (the profiler
+  # around the last step), then the GPU tests of the compiled conv taps and the compiled loss chunk
+  # work (bf16 judged against float32); ~7 min; needs fla-core and cut-cross-entropy installed
+  if [ "$what" = step32k ]; then
+    timeout 330 python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K --max-seq-len 32K \
+      --warmup 3 --repeat 3 --max-seconds 160 --total-seconds 320 --out "$out/trainer_vs_hf_32k.md" \
+      2>&1 | tee "$out/trainer_vs_hf_32k.log" | grep -E "^\||^[0-9]+K"
+    timeout 150 python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 5 --profile > "$out/profile.log" 2>&1
+    grep -E "^step|^\|" "$out/profile.log" | tail -5
+    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_linear_cross_entropy.py \
+      tests/gdn/test_gdn_adapter.py 2>&1 | tail -3
   fi
   # compiled layers holding CP regions on CUDA (fake process group: runs and memory, not equivalence)
   [ "$what" = compiled_cp ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K \
