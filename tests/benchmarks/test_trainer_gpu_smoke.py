@@ -20,3 +20,18 @@ def test_trainer_gpu_prints_a_row_per_mode():
     modes = [(loss.strip(), ac.strip()) for loss, ac in rows]
     assert modes == [("chunked", "off"), ("chunked", "every_layer"), ("full", "off"), ("full", "every_layer")], \
         res.stdout
+
+
+def test_profile_prints_the_last_steps_ops_by_device_time():
+    """`--profile`: PyTorch's profiler around the last step only, its table printed before that
+    step's line (on CPU sorted by CPU time); the matmuls of the step are in it."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_gpu.py"), "--small", "--device", "cpu",
+           "--steps", "2", "--seq-len", "64", "--profile"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    table = [i for i, line in enumerate(lines) if "Self CPU time total" in line]
+    steps = [i for i, line in enumerate(lines) if line.startswith("step ")]
+    assert len(table) == 1 and len(steps) == 2 and steps[0] < table[0] < steps[1], res.stdout[-3000:]
+    assert any(line.lstrip().startswith(("aten::mm", "aten::addmm")) for line in lines[:table[0]]), res.stdout[-3000:]
