@@ -24,6 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
+from ..kernels.gdn.conv import causal_conv, conv_taps
 from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
 from ..passes.gdn import all_gather, p2p, ulysses
@@ -170,46 +171,6 @@ def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mas
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
     return query, key, value, g, beta, z, starts
-
-
-def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The causal depthwise conv of one document a row (`history`: the input with its left context).
-
-    Under `torch.compile` (Dynamo tracing: the trainer's compiled layers) it is `conv_taps`' K
-    shifted multiply-adds, which inductor fuses with the transposes, the pad, the SiLU and the
-    casts around them into a few memory-bound kernels (and their backward, the weight's gradient
-    included); `F.conv1d` would stay an opaque kernel there, and PyTorch's depthwise conv kernel on
-    CUDA took 2.2 ms for a [32K, 6144] bfloat16 input on an H200, several times that input's memory
-    time (benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). Eagerly, and in the graphs
-    `torch.export` traces for the CP rewrite, `F.conv1d`: one kernel, and autograd keeps only its
-    input (the taps' would keep each tap's product). The taps sum in float32 at least, as the conv
-    kernels accumulate (fused, the float copies are registers, not memory)."""
-    if torch.compiler.is_dynamo_compiling():
-        wide = torch.promote_types(history.dtype, torch.float32)
-        return conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(history.dtype)
-    return F.conv1d(history, weight, bias, groups=history.shape[1])
-
-
-def conv_taps(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-              positions: torch.Tensor | None = None) -> torch.Tensor:
-    """The causal depthwise conv as K elementwise terms, linear in T; with `positions`, each output
-    reads only tokens of its own document.
-
-    `history [B, C, T + K - 1]` is the conv input with its K − 1 tokens of left context, `weight
-    [C, 1, K]`, `positions [B, T]`. Output t reads the token j steps back (weight tap K − 1 − j);
-    with `positions` only when `j <= positions[t]`: a token of another document is never read (not
-    read and subtracted), so moving it changes nothing, bit for bit.
-    """
-    kernel, length = weight.shape[-1], history.shape[-1] - weight.shape[-1] + 1
-    out = None
-    for tap in range(kernel):
-        back = kernel - 1 - tap
-        tokens = history[..., tap:tap + length]
-        if back and positions is not None:
-            tokens = torch.where((positions >= back)[:, None], tokens, 0.0)
-        term = tokens * weight[:, 0, tap, None]
-        out = term if out is None else out + term
-    return out if bias is None else out + bias[:, None]
 
 
 class GdnRegion:

@@ -129,6 +129,8 @@ def _compiled_vs_eager(world: int, seed: int, sdpa) -> dict:
         "collectives_per_graph": [_collectives(gm) for gm in graphs],
         "overlapped": _overlapped_launches(graphs[-1]),  # the attention layer's
         "checkpointed": all(any("checkpoint" in str(n.target) for n in gm.graph.nodes) for gm in graphs),
+        "convolutions": sum(1 for gm in graphs for module in gm.modules() if isinstance(module, torch.fx.GraphModule)
+                            for n in module.graph.nodes if "conv" in str(n.target)),
     }
 
 
@@ -136,8 +138,9 @@ def test_checkpointed_layers_with_cp_regions_compile_whole_and_exact():
     """Compiled = eager CP within 1e-5 everywhere; = the CP=1 reference within 1e-5 except the GDN
     decay parameters' gradients (fp32 sums of cancelling terms), which must be as close to a
     float64 run as the reference is. Dynamo: no graph break, nothing unsupported, one graph per
-    layer, each a checkpoint holding its region's collectives, none compiled again in the third step;
-    the async attention layer's graph keeps compute between launches and their waits, the sync one's none."""
+    layer, each a checkpoint holding its region's collectives, none compiled again in the third step,
+    no convolution (the GDN conv inlined as its taps); the async attention layer's graph keeps compute
+    between launches and their waits, the sync one's none."""
     for per_method in run_distributed(_compiled_vs_eager_per_sdpa_method, 2, random.randrange(1 << 30), timeout=300):
         for result in per_method.values():
             _check(result)
@@ -148,6 +151,7 @@ def _check(result: dict) -> None:
     assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
     assert result["graphs"] == result["frames"] == LAYERS, result
     assert result["checkpointed"] and min(result["collectives_per_graph"]) > 0, result
+    assert result["convolutions"] == 0, result  # the GDN regions' conv inlined as its taps (kernels/gdn/conv.py)
     for same in (result["compiled_vs_eager"], result["first_vs_eager"], result["again_vs_compiled"]):
         assert not same["missing"] and max(same["logits"], same["loss"], *same["grads"].values()) <= 1e-5, same
     cp1 = result["compiled_vs_reference"]

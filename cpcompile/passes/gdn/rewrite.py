@@ -1,7 +1,8 @@
 """Rewrite a traced GDN layer for context parallelism with the region's method.
 
 Every method first gives the causal conv its true left context (`fill_conv_halo`): the last
-`kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad. Then the
+`kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad, and a
+traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`). Then the
 method rewrites the core: Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
 (`all_gather.py`).
 """
@@ -12,11 +13,12 @@ import torch.fx as fx
 
 from ...context import PassContext
 from ...errors import CPInputError
+from ...kernels.gdn.conv import causal_conv
 from ...methods import method_spec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
 from .fragments import PASS
-from .match import CORE, GdnMatch
+from .match import CONV_OPS, CORE, GdnMatch
 
 aten = torch.ops.aten
 
@@ -49,6 +51,36 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> Non
     rows = emit(aten.permute.default, tail, [2, 0, 1])  # [halo, B, C]
     received = shift_to_next_rank(emit, ctx, rows, purpose=f"conv halo ({match.halo} tokens from rank r-1)")
     halo = emit(aten.permute.default, received, [1, 2, 0])
-    match.replace_pad_with(emit(aten.cat.default, [halo, x], 2))
+    history = emit(aten.cat.default, [halo, x], 2)
+    match.replace_pad_with(history)
     note_once(ctx, f"conv halo: {match.halo} tokens from rank r-1 (zeros on rank 0)")
+    for conv in [user for user in history.users if user.target in CONV_OPS]:
+        conv_for_compile(gm, conv)
+
+
+def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
+    """A traced depthwise `conv1d(history, weight, bias)` (stride 1, no padding: the halo is in
+    `history`) becomes a call of `causal_conv`: the same `F.conv1d` when the region runs eagerly,
+    its fused taps when a compiled layer inlines the region (Dynamo traces the call). Any other
+    conv is left as traced."""
+    history, weight, bias, stride, padding, dilation, groups = _conv_args(conv)
+    depthwise = weight is not None and val(weight).shape[1] == 1 and groups == val(history).shape[1]
+    if not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
+        return
+    with gm.graph.inserting_before(conv):
+        call = gm.graph.call_function(causal_conv, (history, weight, bias))
+    call.meta.update(conv.meta)
+    conv.replace_all_uses_with(call)
+    gm.graph.erase_node(conv)
+
+
+def _conv_args(conv: fx.Node) -> tuple:
+    """(input, weight, bias, stride, padding, dilation, groups) of `aten.conv1d` or
+    `aten.convolution` (transposed: groups reported as 0, so never depthwise)."""
+    if conv.target is aten.conv1d.default:
+        defaults = (None, None, None, [1], [0], [1], 1)
+        args = tuple(conv.args) + defaults[len(conv.args):]
+        return args[:7]
+    x, w, b, stride, padding, dilation, transposed, _, groups = conv.args
+    return x, w, b, stride, padding, dilation, 0 if transposed else groups
 

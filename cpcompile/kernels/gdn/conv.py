@@ -1,0 +1,53 @@
+"""The GDN layer's causal depthwise conv (Qwen3.5's `conv1d`, kernel K, one filter a channel), on
+its input with the K − 1 tokens of left context already in front (`history [B, C, T + K − 1]`: zeros,
+or under CP the previous rank's halo).
+
+`causal_conv` is what the layer and the CP regions call: `F.conv1d` when run eagerly or traced by
+`torch.export`, `conv_taps` when Dynamo traces it. `conv_taps` is also the packed-documents conv,
+and `F.conv1d` its oracle (tests/gdn/test_gdn_adapter.py, tests/gdn/test_gdn_packed.py).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The causal depthwise conv of one document a row (`history`: the input with its left context).
+
+    Under `torch.compile` (Dynamo tracing: the trainer's compiled layers, and the CP regions they
+    inline, whose rewritten graphs call this function: `passes/gdn/rewrite.py`) it is `conv_taps`' K
+    shifted multiply-adds, which inductor fuses with the transposes, the pad, the SiLU and the
+    casts around them into a few memory-bound kernels (and their backward, the weight's gradient
+    included); `F.conv1d` would stay an opaque kernel there, and PyTorch's depthwise conv kernel on
+    CUDA took 2.2 ms for a [32K, 6144] bfloat16 input on an H200, several times that input's memory
+    time (benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). Eagerly (a CP region's
+    graph run eagerly included) and under `torch.export`, `F.conv1d`: one kernel, and autograd keeps
+    only its input (the taps' would keep each tap's product). The taps sum in float32 at least, as
+    the conv kernels accumulate (fused, the float copies are registers, not memory)."""
+    if torch.compiler.is_dynamo_compiling():
+        wide = torch.promote_types(history.dtype, torch.float32)
+        return conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(history.dtype)
+    return F.conv1d(history, weight, bias, groups=history.shape[1])
+
+
+def conv_taps(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+              positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal depthwise conv as K elementwise terms, linear in T; with `positions`, each output
+    reads only tokens of its own document.
+
+    `history [B, C, T + K - 1]` is the conv input with its K − 1 tokens of left context, `weight
+    [C, 1, K]`, `positions [B, T]`. Output t reads the token j steps back (weight tap K − 1 − j);
+    with `positions` only when `j <= positions[t]`: a token of another document is never read (not
+    read and subtracted), so moving it changes nothing, bit for bit.
+    """
+    kernel, length = weight.shape[-1], history.shape[-1] - weight.shape[-1] + 1
+    out = None
+    for tap in range(kernel):
+        back = kernel - 1 - tap
+        tokens = history[..., tap:tap + length]
+        if back and positions is not None:
+            tokens = torch.where((positions >= back)[:, None], tokens, 0.0)
+        term = tokens * weight[:, 0, tap, None]
+        out = term if out is None else out + term
+    return out if bias is None else out + bias[:, None]
