@@ -62,7 +62,9 @@ def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
     """A traced depthwise `conv1d(history, weight, bias)` (stride 1, no padding: the halo is in
     `history`) becomes a call of `causal_conv`: the same `F.conv1d` when the region runs eagerly,
     its fused taps when a compiled layer inlines the region (Dynamo traces the call). Any other
-    conv is left as traced."""
+    conv, or one traced with keyword arguments, is left as traced."""
+    if conv.kwargs:
+        return
     history, weight, bias, stride, padding, dilation, groups = _conv_args(conv)
     depthwise = weight is not None and val(weight).shape[1] == 1 and groups == val(history).shape[1]
     if not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
