@@ -6,6 +6,8 @@
               rewrites emit (fake implementation + autograd each);
 - ``eager``   the pure-PyTorch oracle (token recurrence, chunkwise form, segment summaries);
 - ``summary`` the affine algebra of segment summaries ``H_out = M @ H_in + S``;
+- ``conv``    the layer's causal depthwise conv before the core: ``F.conv1d``, or its taps under
+              ``torch.compile`` and within packed documents;
 - ``triton/`` cpcompile's Triton kernels (the ``triton`` backend).
 
 Importing this package never imports triton, nor registers the custom ops (``ops`` does).
