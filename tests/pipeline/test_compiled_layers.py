@@ -135,9 +135,9 @@ def _compiled_vs_eager(world: int, seed: int, sdpa) -> dict:
 
 
 def test_checkpointed_layers_with_cp_regions_compile_whole_and_exact():
-    """Compiled = eager CP within 1e-5 everywhere; = the CP=1 reference within 1e-5 except the GDN
-    decay parameters' gradients (fp32 sums of cancelling terms), which must be as close to a
-    float64 run as the reference is. Dynamo: no graph break, nothing unsupported, one graph per
+    """Compiled = eager CP and = the CP=1 reference within 1e-5 except the GDN decay parameters'
+    gradients (fp32 sums of cancelling terms, moved by the compiled conv's other rounding), which
+    must be as close to a float64 run as the reference is. Dynamo: no graph break, nothing unsupported, one graph per
     layer, each a checkpoint holding its region's collectives, none compiled again in the third step,
     no convolution (the GDN conv inlined as its taps); the async attention layer's graph keeps compute
     between launches and their waits, the sync one's none."""
@@ -152,8 +152,14 @@ def _check(result: dict) -> None:
     assert result["graphs"] == result["frames"] == LAYERS, result
     assert result["checkpointed"] and min(result["collectives_per_graph"]) > 0, result
     assert result["convolutions"] == 0, result  # the GDN regions' conv inlined as its taps (kernels/gdn/conv.py)
-    for same in (result["compiled_vs_eager"], result["first_vs_eager"], result["again_vs_compiled"]):
-        assert not same["missing"] and max(same["logits"], same["loss"], *same["grads"].values()) <= 1e-5, same
+    for name in ("compiled_vs_eager", "first_vs_eager", "again_vs_compiled"):
+        same = result[name]
+        # compiled, the GDN conv is its float32 taps, eagerly F.conv1d: the decay parameters' fp32
+        # gradients (sums of cancelling terms) move by more than 1e-5 with that rounding; they are
+        # judged against float64 below, as the CP=1 reference's are
+        grads = {n: v for n, v in same["grads"].items()
+                 if not (name == "compiled_vs_eager" and n.endswith(DECAY_PARAMS))}
+        assert not same["missing"] and max(same["logits"], same["loss"], *grads.values()) <= 1e-5, (name, same)
     cp1 = result["compiled_vs_reference"]
     rest = [v for n, v in cp1["grads"].items() if not n.endswith(DECAY_PARAMS)]
     assert not cp1["missing"] and max(cp1["logits"], cp1["loss"], *rest) <= 1e-5, cp1
