@@ -148,7 +148,8 @@ def test_compiled_layer_runs_the_conv_as_taps_and_equals_eager():
 def test_gpu_inductor_layer_with_conv_taps_is_as_accurate_as_eager_in_bfloat16():
     """On CUDA, the layer compiled with inductor (its conv as fused taps) in bfloat16, judged
     against the float32 eager layer as cpcompile/parity.py judges CP: output, input and parameter
-    gradients within 1.5x the eager bfloat16 layer's error (F.conv1d)."""
+    gradients within 1.5x the eager bfloat16 layer's error (F.conv1d); the decay parameters'
+    gradients as the CP tests judge them (gdn_harness.decay_as_close_as_reference's bound)."""
     from cpcompile.parity import relative_error, within_precision
 
     if not torch.cuda.is_available():
@@ -167,6 +168,10 @@ def test_gpu_inductor_layer_with_conv_taps_is_as_accurate_as_eager_in_bfloat16()
         return [out.float(), *(g.float() for g in grads)]
 
     truth, eager, compiled = run(reference, hidden), run(low, hidden.bfloat16()), run(low, hidden.bfloat16(), True)
-    for index, (t, e, c) in enumerate(zip(truth, eager, compiled)):
-        assert within_precision(relative_error(c, t), relative_error(e, t)), \
-            (index, relative_error(c, t), relative_error(e, t))
+    names = ["output", "input", *(name for name, _ in low.named_parameters())]
+    for name, t, e, c in zip(names, truth, eager, compiled):
+        got, bound = relative_error(c, t), relative_error(e, t)
+        if name.endswith(DECAY_PARAMS):  # sums of cancelling terms: the CP tests' decay bound
+            assert got <= 10 * bound + 1e-4, (name, got, bound)
+        else:
+            assert within_precision(got, bound), (name, got, bound)
