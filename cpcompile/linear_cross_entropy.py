@@ -55,7 +55,7 @@ def linear_cross_entropy_sum(hidden: torch.Tensor, weight: torch.Tensor, targets
     0 with a zero gradient when no target is valid. `compile_backend`: a `torch.compile` backend
     for each chunk's elementwise work (module doc), None for eager in-place ATen ops."""
     _check_inputs(hidden, weight, targets, chunk_tokens, softcap)
-    if compile_backend is not None and compile_backend not in torch.compiler.list_backends(exclude_tags=()):
+    if compile_backend is not None and not _is_compile_backend(compile_backend):
         raise ValueError(f"linear_cross_entropy_sum: compile_backend {compile_backend!r} is not a torch.compile "
                          "backend (torch.compiler.list_backends(exclude_tags=()))")
     return _LinearCrossEntropySum.apply(hidden, weight, targets, chunk_tokens, softcap, compile_backend)
@@ -97,10 +97,21 @@ def valid_rows(targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
     return rows, chosen
 
 
+@functools.cache
+def _is_compile_backend(name: str) -> bool:
+    """Asked once a name, not every step (the loss is called each step with the same backend)."""
+    return name in torch.compiler.list_backends(exclude_tags=())
+
+
+def _head_logits(hidden, weight, rows):
+    """The chunk's logits as the head's matmul gives them, in the inputs' dtype."""
+    return torch.mm(hidden.index_select(0, rows), weight.t())
+
+
 def _chunk_logits(hidden, weight, rows, dtype, softcap):
     """The chunk's logits in the loss dtype (soft-capped), and with a soft-cap the tanh it went
     through (its derivative is needed by the backward), else None."""
-    logits = torch.mm(hidden.index_select(0, rows), weight.t()).to(dtype)
+    logits = _head_logits(hidden, weight, rows).to(dtype)
     if softcap is None:
         return logits, None
     squashed = logits.div_(softcap).tanh_()
@@ -122,7 +133,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 target_logits = logits.gather(1, chosen[part].unsqueeze(1)).squeeze(1)
                 log_sum_exp[part] = _log_sum_exp_in_place(logits)
             else:
-                logits = torch.mm(hidden.index_select(0, rows[part]), weight.t())
+                logits = _head_logits(hidden, weight, rows[part])
                 log_sum_exp[part], target_logits = _compiled(_fused_loss_terms, compile_backend)(
                     logits, chosen[part], softcap)
             total += (log_sum_exp[part] - target_logits).sum()
@@ -144,7 +155,7 @@ class _LinearCrossEntropySum(torch.autograd.Function):
                 grad_logits = _chunk_logit_gradient(hidden, weight, rows[part], chosen[part], log_sum_exp[part],
                                                     scale, ctx.softcap).to(hidden.dtype)
             else:
-                logits = torch.mm(hidden.index_select(0, rows[part]), weight.t())
+                logits = _head_logits(hidden, weight, rows[part])
                 grad_logits = _compiled(_fused_logit_gradient, ctx.compile_backend)(
                     logits, chosen[part], log_sum_exp[part], scale, ctx.softcap)
                 del logits

@@ -218,6 +218,10 @@ class TrainSettings:
             backend = DEFAULT_COMPILE_BACKENDS[self.device] if cp_size == 1 else EAGER
         return None if backend == EAGER else backend
 
+    def loss_compile_backend(self, cp_size: int) -> str | None:
+        """The backend the chunked loss compiles its chunk work with: the layers' (None: eager)."""
+        return self.layer_compile_backend(cp_size) if self.loss == "chunked" else None
+
     def precision_policy(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy; (None, None) without one."""
         if self.mixed_precision is None:

@@ -224,7 +224,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
         root.get_local_rank("dp_shard")
     dump = rank_dump_dir(settings.dump_dir, dist.get_rank())
     model = build_model(config.model, settings, parameters_on_meta=on_meta)
-    use_loss(model, settings, settings.layer_compile_backend(config.plan.cp_size))
+    use_loss(model, settings, settings.loss_compile_backend(config.plan.cp_size))
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
     if config.plan.accelerator.tp_size > 1:

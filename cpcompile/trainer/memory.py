@@ -152,7 +152,7 @@ def _terms_and_moments(config: TrainConfig, params: int, model_config) -> tuple[
              "fsdp_buffers": root + max(layer_fsdp),
              "activations": sum(kept) + final_norm_bytes(text, sizes) * tokens,
              "loss": loss_bytes(settings, text, sizes, tokens,
-                                compiled=settings.layer_compile_backend(accelerator.cp_size) is not None),
+                                compiled=settings.loss_compile_backend(accelerator.cp_size) is not None),
              "layer_backward": max(peak - keep for peak, keep in zip(peaks, kept))}
     resident = 3 * params * sizes.param / shards  # parameters and moments: zero_grad(set_to_none) freed the gradients
     last_layer = layer_parameters(text, layer_kinds(text)[-1]) * sizes.compute  # stays gathered after the forward
