@@ -145,7 +145,8 @@ def run_row(args, spec: dict, train_config_for) -> dict:
     phase = "build"
     try:
         trainer = build_trainer(config)
-        row["estimate_gib"] = memory_estimate(config, parameter_count(trainer.model), trainer.model.config)["total"]
+        row["estimate_gib"] = memory_estimate(config, parameter_count(trainer.model), trainer.model.config,
+                                              rank=spec["rank"])["total"]
         phase = "warm-up"
         for index in range(args.warmup - 1):
             trainer.step(index)

@@ -373,7 +373,8 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib:
             f"batch of {probe} of train.seq_len's {config.train.seq_len} tokens per sequence)")
         for name, method in regions:
             log(f"  {name}: {method}")
-        log("memory estimate per rank (GiB): " + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
+        log(f"memory estimate per rank (GiB{busiest_rank_note(config)}): "
+            + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
     facts = {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe,
              "parameters": parameters, "model_config": trainer.model.config}
     if budget is not None:
@@ -382,6 +383,12 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib:
         if is_rank_zero():
             log(describe_longest(facts["longest_seq_len"], budget))
     return facts
+
+
+def busiest_rank_note(config: TrainConfig) -> str:
+    """Which CP rank the dry run's estimate is for, when the ranks differ (the one holding the most)."""
+    cp = config.plan.accelerator.cp_size
+    return "" if cp == 1 else f"; CP rank {memory.busiest_rank(memory.sdpa_method(config), cp)} of {cp}, the most"
 
 
 def memory_budget_gib(device: str, memory_gib: float | None) -> float | None:
@@ -413,12 +420,12 @@ def describe_longest(seq_len: int, budget_gib: float) -> str:
             f"(its accuracy against measured peaks: docs/trainer.md, 'The memory estimate')")
 
 
-def memory_estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
+def memory_estimate(config: TrainConfig, params: int, model_config, rank: int | None = None) -> dict[str, float]:
     """The per-rank peak of a steady-state step in GiB, term by term and `total`: parameters,
     gradients and AdamW states sharded by FSDP2, FSDP2's gathered buffers, the saved activations,
     the loss's buffers, one layer's recompute and backward (`trainer/memory.py` says what each
-    term assumes)."""
-    return memory.estimate(config, params, model_config)
+    term assumes). For CP rank `rank`; None: the rank whose attention holds the most, the job's peak."""
+    return memory.estimate(config, params, model_config, rank)
 
 
 def _tolerance(settings: TrainSettings) -> str:

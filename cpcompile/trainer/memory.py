@@ -56,11 +56,15 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   (`gdn_core_backward_bytes`, counted from kernels/gdn/triton/launch.py: the q/k/v/do casts and
   copies, gc, w, u, the (I + A)^-1 rows, and the most of its three phases: the recomputed chunk
   states and their gradients, one K x V state in c per 64 tokens and head each, then the per
-  value head dq/dk/dw, then dv and the float dq/dk), attention's (`attention_core_backward_bytes`,
-  FlashAttention-2's dq, dk, dv, float dq accumulator and per-query-head dk/dv; read from the
-  code, not measured). For this model the MLP's moment is the larger (GDN 172 KB a token in
-  bfloat16 against 164 for the core's); a checkpointed layer adds its kept input, a selective one
-  also the down projection's saved output, which its replay stops before.
+  value head dq/dk/dw, then dv and the float dq/dk), attention's (`attention_core_backward_bytes`:
+  dq, dk, dv of every key the rank holds, and for the largest block of keys one kernel call reads,
+  the K/V repeated per query head when the kernel does not take grouped heads and the per-query-head
+  dk/dv; that block depends on the CP rank, `attended_keys`: under AllGather the last rank's
+  queries read every other rank's keys in one call). For this model's GDN layers the MLP's moment
+  is the larger (172 KB a token in bfloat16 against 164 for the core's); for its attention layers
+  under AllGather the core's on the last ranks once the gathered keys are many (on the H200: CP=8
+  and CP=16 from 256K tokens). A checkpointed layer adds its kept input, a selective one also the
+  down projection's saved output, which its replay stops before.
 - `loss: chunked`: one chunk's logits in c while their float copy is made (or, in the backward,
   the float gradient while its c copy is made): loss_chunk_tokens x vocab x (c + f); with a
   compile backend (the layers'), the logits and their gradient, both in c, the float work fused
@@ -74,8 +78,9 @@ bfloat16 layer of each kind at the real widths on CPU under a live-storage track
 core's launch code allocating its buffers with its kernels skipped, and tests/train/
 test_memory_layers.py holds the counts to that measurement within 1% (they differ by 0.2%: the
 per-row rsqrt and per-head gate vectors, rounded here). docs/trainer.md has the check against the
-H200 peaks: every eager row within 1.5%; the ranks of a CP job differ by up to 1% (0.28 GiB
-between rank 0 and rank 7 at CP=8), which this rank-blind count does not explain.
+H200 peaks: every eager row within 2%, the CP rows rank by rank (rank 0 and the last, CP=2-16,
+128K-1M tokens). `estimate(rank=None)`, what the dry run prints, is the busiest rank's
+(`busiest_rank`), the job's peak.
 
 Not counted: CUDA/NCCL/Triton workspaces outside PyTorch's allocator, the allocator's
 fragmentation (reserved - allocated), an op's temporaries freed inside it (e.g. a cuDNN conv
@@ -90,18 +95,31 @@ import dataclasses
 
 import torch
 
+from ..kernels.attention.kernels import KERNELS, select_kernel
 from .config import DTYPES, TrainConfig
 
 GIB = 2.0 ** 30
 GDN_CHUNK = 64  # tokens per chunk of the GDN kernels: one state per chunk, one (I + A)^-1 row of 64 a token
 
 
-def estimate(config: TrainConfig, params: int, model_config) -> dict[str, float]:
-    """The estimate of the module doc, GiB per term and `total`."""
-    terms, moments = _terms_and_moments(config, params, model_config)
+def estimate(config: TrainConfig, params: int, model_config, rank: int | None = None) -> dict[str, float]:
+    """The estimate of the module doc for CP rank `rank` (None: the rank with the most attention
+    work, whose peak is the job's), GiB per term and `total`."""
+    cp = config.plan.accelerator.cp_size
+    if rank is not None and not 0 <= rank < cp:
+        raise ValueError(f"rank {rank} is not a CP rank of cp_size {cp}")
+    rank = busiest_rank(sdpa_method(config), cp) if rank is None else rank
+    terms, moments = _terms_and_moments(config, params, model_config, rank)
     gib = {name: value / GIB for name, value in terms.items()}
     gib["total"] = max(moments.values()) / GIB
     return gib
+
+
+def busiest_rank(sdpa: str, cp: int) -> int:
+    """The CP rank whose attention reads the most keys at once (`attended_keys`): the last under
+    AllGather (its queries follow every key), the first under Head-Tail (its tail chunk is the
+    sequence's last); under Ulysses every rank alike."""
+    return cp - 1 if sdpa == "all_gather" else 0
 
 
 def total_at_length(config: TrainConfig, params: int, model_config, seq_len: int) -> float:
@@ -138,14 +156,14 @@ def longest_seq_len(config: TrainConfig, params: int, model_config, budget_gib: 
     return low
 
 
-def _terms_and_moments(config: TrainConfig, params: int, model_config) -> tuple[dict, dict]:
-    """({term: bytes}, {moment of the step: bytes alive then}) of the module doc."""
+def _terms_and_moments(config: TrainConfig, params: int, model_config, rank: int) -> tuple[dict, dict]:
+    """({term: bytes}, {moment of the step: bytes alive then}) of the module doc, on CP rank `rank`."""
     settings, accelerator = config.train, config.plan.accelerator
     text = model_config.get_text_config()
     sizes = _ElementSizes.of(settings)
     tokens = settings.batch_size // config.dp_size * settings.seq_len // accelerator.cp_size
     shards = accelerator.dp_shard_size * accelerator.cp_size * accelerator.tp_size
-    kept, peaks = _layers_bytes(config, text, sizes, tokens)
+    kept, peaks = _layers_bytes(config, text, sizes, tokens, rank)
     layer_fsdp = [layer_parameters(text, kind) * (3 * sizes.compute + sizes.reduce) for kind in layer_kinds(text)]
     root = root_parameters(text) * sizes.compute
     terms = {"states": 4 * params * sizes.param / shards,
@@ -164,16 +182,18 @@ def _terms_and_moments(config: TrainConfig, params: int, model_config) -> tuple[
     return terms, moments
 
 
-def _layers_bytes(config: TrainConfig, text, sizes: "_ElementSizes", tokens: int) -> tuple[list[int], list[int]]:
+def _layers_bytes(config: TrainConfig, text, sizes: "_ElementSizes", tokens: int,
+                  rank: int) -> tuple[list[int], list[int]]:
     """(what each decoder layer keeps, everything of it alive at its backward's peak), in bytes."""
-    cp, sdpa, kinds = config.plan.accelerator.cp_size, _sdpa_method(config), layer_kinds(text)
+    cp, sdpa, kinds = config.plan.accelerator.cp_size, sdpa_method(config), layer_kinds(text)
+    attention = AttentionWork(rank, cp == 1 or attention_kernel_groups_heads(config.train))
     checkpointing = layer_checkpointing(config.train.ac_mode, len(kinds))
     inner, offload = config.train.gdn_checkpoint_around_core, config.train.offload_layer_inputs
     # offloaded, a checkpointed layer's input is on the host until its backward (its peak counts it)
     kept = [0 if offload and ac == "checkpointed" else
             layer_kept_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
             for kind, ac in zip(kinds, checkpointing)]
-    peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner) * tokens
+    peaks = [layer_peak_bytes(text, kind, sizes, cp, sdpa, ac, gdn_inner=inner, attention=attention) * tokens
              for kind, ac in zip(kinds, checkpointing)]
     return kept, peaks
 
@@ -214,14 +234,27 @@ def _bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def _sdpa_method(config: TrainConfig) -> str:
-    """'ulysses' when the plan runs SDPA with Ulysses, else 'all_gather' (AllGather, Head-Tail and
-    their async variants gather K/V; Hybrid is counted as AllGather)."""
+def sdpa_method(config: TrainConfig) -> str:
+    """'ulysses' when the plan runs SDPA with Ulysses, 'head_tail' with Head-Tail, else 'all_gather'
+    (AllGather and the async variants; Hybrid is counted as AllGather). All but Ulysses gather K/V."""
     for override in config.plan.active_overrides():
         method = override.method
-        if method is not None and method.core == "sdpa" and "ulysses" in method.name:
-            return "ulysses"
+        if method is not None and method.core == "sdpa":
+            for name in ("ulysses", "head_tail"):
+                if name in method.name:
+                    return name
     return "all_gather"
+
+
+def attention_kernel_groups_heads(settings) -> bool:
+    """Whether the CP regions' local attention kernel reads grouped K/V heads as they are; cuDNN's
+    (CUDA's default in half precision) does not, so each block's K and V are repeated per query
+    head first (`kernels/attention/kernels.py:block_forward`)."""
+    if settings.device not in ("cpu", "cuda"):
+        return False  # no kernel of ours there: the larger count
+    compute = settings.precision_policy()[0] or DTYPES[settings.dtype]
+    name = select_kernel(torch.device(settings.device), compute)
+    return name == "flex" or KERNELS[name].grouped_heads
 
 
 def layer_kinds(text) -> list[str]:
@@ -312,7 +345,7 @@ def _attention_before_core_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str)
     replicas = _kv_replicas(text, cp, sdpa)
     normalised = (query + kv) * (sizes.upcast + f) if qk_norm else 0
     rotated = (query + 2 * kv * replicas) * c  # q, k after RoPE; v
-    gathered = 2 * kv * c * (cp - 1) if sdpa == "all_gather" else 0
+    gathered = 2 * kv * c * (cp - 1) if sdpa != "ulysses" else 0
     output = query * c + text.num_attention_heads * f
     return norm_bytes(text.hidden_size, sizes) + normalised + rotated + gathered + output
 
@@ -347,19 +380,19 @@ def selective_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: 
         return hidden * c + mlp + projections + value * sizes.float + hidden * c  # + the core's output, out_proj's
     query, kv, gated, _ = _attention_widths(text)
     projections = (query * (2 if gated else 1) + 2 * kv) * c
-    gathered = 2 * kv * c * (cp - 1) if sdpa == "all_gather" else 0
+    gathered = 2 * kv * c * (cp - 1) if sdpa != "ulysses" else 0
     core = query * c + text.num_attention_heads * sizes.float  # the output and its log-sum-exp
     return hidden * c + mlp + projections + gathered + core + hidden * c  # + o_proj's output
 
 
 def layer_peak_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str,
-                     gdn_inner: bool = False) -> int:
+                     gdn_inner: bool = False, attention: "AttentionWork | None" = None) -> float:
     """Everything of one layer alive at the peak of its backward, a token, what it kept included:
     the larger of its MLP's backward and its core's (module doc). A checkpointed layer keeps its
     input throughout; a selective one also the down projection's saved output, which its replay
     stops before (the replay ends at the last tensor the backward reads, down_proj's input)."""
     stages = max(_mlp_backward_bytes(text, kind, sizes, cp, sdpa, gdn_inner),
-                 _core_backward_bytes(text, kind, sizes, cp, sdpa, gdn_inner))
+                 _core_backward_bytes(text, kind, sizes, cp, sdpa, gdn_inner, attention))
     own_input = text.hidden_size * sizes.compute
     return stages + {"off": 0, "checkpointed": own_input, "selective": 2 * own_input}[checkpointing]
 
@@ -373,7 +406,8 @@ def _mlp_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: st
     return saved + 2 * text.intermediate_size * c + text.hidden_size * c
 
 
-def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, gdn_inner: bool = False) -> int:
+def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, gdn_inner: bool = False,
+                         attention: "AttentionWork | None" = None) -> float:
     """The backward of the layer's core: what the ops before it saved, the gradients in flight
     (the core output's, the gate's, the residual's) and the core's backward buffers."""
     c, hidden = sizes.compute, text.hidden_size
@@ -385,7 +419,7 @@ def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: s
     query, _, gated, _ = _attention_widths(text)
     in_flight = query * c * (2 if gated else 1) + hidden * c  # d output (and d gate), d residual
     return _attention_before_core_bytes(text, sizes, cp, sdpa) + in_flight + \
-        attention_core_backward_bytes(text, sizes, cp, sdpa)
+        attention_core_backward_bytes(text, sizes, cp, sdpa, attention or AttentionWork())
 
 
 def gdn_core_backward_bytes(text, sizes: _ElementSizes) -> int:
@@ -409,17 +443,49 @@ def gdn_core_backward_bytes(text, sizes: _ElementSizes) -> int:
     return inputs + prepared + max(after_state_pass, after_inter, in_prepare)
 
 
-def attention_core_backward_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str) -> int:
-    """The attention's backward buffers, a token: dq, dk, dv over the keys the rank attends (under
-    AllGather every rank's, under Ulysses the replicated heads) and, inside a FlashAttention-2
-    style kernel, a float dq accumulator and with grouped heads dk, dv per query head before their
-    sum. Read from PyTorch's flash backward (`mha_bwd`), not measured: at this model's widths the
-    MLP's moment is larger."""
+@dataclasses.dataclass(frozen=True)
+class AttentionWork:
+    """Whose attention backward is counted: the CP rank (`attended_keys`), and whether the local
+    kernel reads grouped K/V heads as they are (`attention_kernel_groups_heads`; without CP the
+    model's own SDPA runs, counted as grouped)."""
+
+    rank: int = 0
+    grouped_kernel: bool = True
+
+
+def attended_keys(sdpa: str, cp: int, rank: int) -> float:
+    """The keys of the largest block one local attention call reads at once, in local lengths
+    (kernels/attention/unmasked.py: a query chunk's prefix of fully visible keys in one call, then
+    its causal diagonal in another). AllGather: rank r's prefix is the r ranks before it (rank 0:
+    its diagonal, one length). Head-Tail: the tail chunk (half a length) follows 2 cp - 1 - r half
+    lengths. Ulysses: one causal call over the whole sequence for the rank's share of the heads,
+    one length of the rank's K/V width."""
+    if sdpa == "all_gather":
+        return max(rank, 1)
+    if sdpa == "head_tail":
+        return max(2 * cp - 1 - rank, 1) / 2
+    return 1
+
+
+def attention_core_backward_bytes(text, sizes: _ElementSizes, cp: int, sdpa: str,
+                                  work: AttentionWork = AttentionWork()) -> float:
+    """The attention's backward buffers, a token (kernels/attention/unmasked.py `backward`): dq and
+    the kernel's dq and float dq accumulator; dk, dv of every key the rank holds (under AllGather and
+    Head-Tail every rank's; in float when two chunks' prefixes share keys, Head-Tail's); for the
+    largest block (`attended_keys`) its K and V repeated per query head when the kernel does not
+    read grouped heads, the kernel's per-query-head dk, dv and their sums per K/V head. Measured on
+    the H200 (simulate_cp results): the last AllGather rank of 16 at 512K holds 7 GiB more than the
+    first, what the repeated prefix K/V and their gradients come to."""
     c, f = sizes.compute, sizes.float
     query, kv, _, _ = _attention_widths(text)
-    keys = kv * (cp if sdpa == "all_gather" else _kv_replicas(text, cp, sdpa))
-    per_query_head = 2 * keys * (query // kv) * c if query != kv else 0
-    return query * c + 2 * keys * c + query * f + per_query_head
+    replicas = _kv_replicas(text, cp, sdpa)
+    held = kv * (replicas if sdpa == "ulysses" else cp)
+    key_grads = 2 * held * (f if sdpa == "head_tail" else c)
+    block = kv * replicas * attended_keys(sdpa, cp, work.rank)
+    groups = max(1, query // (kv * replicas))  # query heads per K/V head on the rank
+    repeated = 0 if work.grouped_kernel or groups == 1 else 2 * block * groups * c
+    block_grads = 2 * block * c * (groups + 1) if groups > 1 else 2 * block * c
+    return 2 * query * c + query * f + key_grads + repeated + block_grads
 
 
 def loss_bytes(settings, text, sizes: _ElementSizes, tokens: int, compiled: bool = False) -> int:
