@@ -92,6 +92,8 @@ SIMULATED_PEAKS = [
     (16, 128 * K, "sdpa_hf", 0, 5.28), (16, 128 * K, "sdpa_hf", 15, 5.28),
     (16, 256 * K, "sdpa_hf", 0, 5.67), (16, 256 * K, "sdpa_hf", 15, 7.98),
     (16, 512 * K, "sdpa_hf", 0, 7.68), (16, 512 * K, "sdpa_hf", 15, 14.73),
+    (4, 128 * K, "sdpa_hf_ulysses", 0, 8.91),
+    (8, 128 * K, "sdpa_hf_ulysses", 0, 6.08), (8, 128 * K, "sdpa_hf_ulysses", 7, 6.08),
     (8, 1024 * K, "sdpa_hf_ulysses", 0, 27.49), (8, 1024 * K, "sdpa_hf_ulysses", 7, 27.77),
 ]
 
