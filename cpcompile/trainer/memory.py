@@ -213,6 +213,16 @@ def _layer_backward_moments(text, sizes: "_ElementSizes", shards: int, base: flo
     return moments
 
 
+@dataclasses.dataclass(frozen=True)
+class AttentionWork:
+    """Whose attention backward is counted: the CP rank (`attended_keys`), and whether the local
+    kernel reads grouped K/V heads as they are (`attention_kernel_groups_heads`; without CP the
+    model's own SDPA runs, counted as grouped)."""
+
+    rank: int = 0
+    grouped_kernel: bool = True
+
+
 class _ElementSizes:
     """Bytes of an element: parameters, compute, gradient reduction, and float (float32 at least);
     `upcast`: what a copy to float costs (nothing when the compute dtype is float already)."""
@@ -386,7 +396,7 @@ def selective_saved_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: 
 
 
 def layer_peak_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, checkpointing: str,
-                     gdn_inner: bool = False, attention: "AttentionWork | None" = None) -> float:
+                     gdn_inner: bool = False, attention: AttentionWork = AttentionWork()) -> float:
     """Everything of one layer alive at the peak of its backward, a token, what it kept included:
     the larger of its MLP's backward and its core's (module doc). A checkpointed layer keeps its
     input throughout; a selective one also the down projection's saved output, which its replay
@@ -407,7 +417,7 @@ def _mlp_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: st
 
 
 def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: str, gdn_inner: bool = False,
-                         attention: "AttentionWork | None" = None) -> float:
+                         attention: AttentionWork = AttentionWork()) -> float:
     """The backward of the layer's core: what the ops before it saved, the gradients in flight
     (the core output's, the gate's, the residual's) and the core's backward buffers."""
     c, hidden = sizes.compute, text.hidden_size
@@ -419,7 +429,7 @@ def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: s
     query, _, gated, _ = _attention_widths(text)
     in_flight = query * c * (2 if gated else 1) + hidden * c  # d output (and d gate), d residual
     return _attention_before_core_bytes(text, sizes, cp, sdpa) + in_flight + \
-        attention_core_backward_bytes(text, sizes, cp, sdpa, attention or AttentionWork())
+        attention_core_backward_bytes(text, sizes, cp, sdpa, attention)
 
 
 def gdn_core_backward_bytes(text, sizes: _ElementSizes) -> int:
@@ -441,16 +451,6 @@ def gdn_core_backward_bytes(text, sizes: _ElementSizes) -> int:
     after_inter = 2 * state + value * c + per_head_grads
     in_prepare = value * c + per_head_grads + value * c + 2 * heads * f + 2 * key * f
     return inputs + prepared + max(after_state_pass, after_inter, in_prepare)
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionWork:
-    """Whose attention backward is counted: the CP rank (`attended_keys`), and whether the local
-    kernel reads grouped K/V heads as they are (`attention_kernel_groups_heads`; without CP the
-    model's own SDPA runs, counted as grouped)."""
-
-    rank: int = 0
-    grouped_kernel: bool = True
 
 
 def attended_keys(sdpa: str, cp: int, rank: int) -> float:

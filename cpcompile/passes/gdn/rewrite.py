@@ -28,7 +28,9 @@ def gdn_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     spec = method_spec(ctx.method)  # each method registers its rewrite in its own file
     for match in spec.find(gm):
-        fill_conv_halo(gm, match, ctx)
+        history = fill_conv_halo(gm, match, ctx)
+        for conv in [user for user in history.users if user.target in CONV_OPS]:
+            conv_for_compile(gm, conv)
         spec.rewrite(gm, match, ctx)
         ctx.cores_rewritten += 1
     gm.graph.lint()
@@ -36,8 +38,9 @@ def gdn_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
     return gm
 
 
-def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
-    """Replace the conv's zero left-pad by rank r−1's last `halo` tokens (`[B, C, T]` layout)."""
+def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> fx.Node:
+    """Replace the conv's zero left-pad by rank r−1's last `halo` tokens (`[B, C, T]` layout);
+    -> the conv's input with that halo in front."""
     pad = match.conv_pad
     x = pad.args[0]
     length = val(x).shape[-1]
@@ -54,8 +57,7 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> Non
     history = emit(aten.cat.default, [halo, x], 2)
     match.replace_pad_with(history)
     note_once(ctx, f"conv halo: {match.halo} tokens from rank r-1 (zeros on rank 0)")
-    for conv in [user for user in history.users if user.target in CONV_OPS]:
-        conv_for_compile(gm, conv)
+    return history
 
 
 def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
