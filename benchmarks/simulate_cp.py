@@ -11,11 +11,16 @@ queries see every key (the most attention work), rank 0's only its own; GDN Stat
 no state gradient back and the last rank no state forward.
 
 Each row runs in a fresh subprocess (a row that runs out of memory is a row saying OOM, and cannot
-leave memory behind for the next one): `--warmup` steps, the last of them under `CollectiveBytes`
-(collective_bytes.py: the bytes this rank sends, by collective, formulas in its doc; not the first
-step, whose one-off work - FSDP2's lazy init, the CP regions tracing the bf16 signature and agreeing
-on it - is no step of the run), then `--steps` measured steps (their peak allocated memory and
-mean time).
+leave memory behind for the next one): `--warmup` steps, then `--steps` measured steps (their peak
+allocated memory and mean time). One step runs under `CollectiveBytes` (collective_bytes.py: the
+bytes this rank sends, by collective, formulas in its doc), never the first, whose one-off work -
+FSDP2's lazy init, the CP regions tracing the bf16 signature and agreeing on it - is no step of the
+run: the last warm-up step, or with `--warmup 1` the first measured step (`counted_step`). The
+second saves a step on the longest rows, where one step takes minutes; its time then includes the
+counting mode's Python work on each op, small beside a step that long (the results file gives a
+row run both ways).
+
+`--ranks` picks the rows' ranks: by default rank 0 and the last rank, or either alone.
 
 Predictions from a row (`predict`), per rank:
 - comm time = bytes sent / `--bandwidth-gbps` (450 GB/s: an H200's NVLink, per direction);
@@ -60,14 +65,26 @@ def short_tokens(count: int) -> str:
     return str(count)
 
 
-def row_specs(cp_sizes: list[int], tokens: list[int], methods: list[str]) -> list[dict]:
+RANK_CHOICES = {"ends": ("first", "last"), "first": ("first",), "last": ("last",)}
+
+
+def counted_step(warmup: int) -> int:
+    """The index of the step whose collectives are counted: the last warm-up step, or the first
+    measured one when there is one warm-up step only (module doc)."""
+    if warmup < 1:
+        raise ValueError("--warmup must be >= 1: the first step's one-off work is no step of the run")
+    return warmup - 1 if warmup >= 2 else warmup
+
+
+def row_specs(cp_sizes: list[int], tokens: list[int], methods: list[str], ranks: str = "ends") -> list[dict]:
     """Every (method, N, global tokens, rank) row, the cheapest first: fewer tokens, then more ranks
-    (fewer local tokens), so a budget that runs out cuts the most expensive rows."""
+    (fewer local tokens), so a budget that runs out cuts the most expensive rows. `ranks`: a key of
+    RANK_CHOICES."""
     specs = []
     for count in sorted(tokens):
         for cp in sorted(cp_sizes, reverse=True):
             for method in methods:
-                for rank in sorted({0, cp - 1}):
+                for rank in sorted({0 if end == "first" else cp - 1 for end in RANK_CHOICES[ranks]}):
                     specs.append({"method": method, "cp": cp, "tokens": count, "rank": rank})
     return specs
 
@@ -81,7 +98,7 @@ def run_all(args, argv: list[str], script: str) -> list[dict]:
     start, rows = time.perf_counter(), []
     refused: dict = {}  # (method, cp) -> why: the heads do not allow that N, whatever the tokens
     out_of_memory: set = set()  # (method, cp, rank): more tokens will not fit either
-    for spec in row_specs(args.simulate_cp, args.tokens, args.sdpa):
+    for spec in row_specs(args.simulate_cp, args.tokens, args.sdpa, args.ranks):
         key = (spec["method"], spec["cp"])
         left = args.max_seconds - (time.perf_counter() - start)
         if key in refused:
@@ -125,9 +142,11 @@ def describe(row: dict) -> str:
 
 
 def run_row(args, spec: dict, train_config_for) -> dict:
-    """One rank of a CP=N job under the fake process group: build, warm up (the last warm-up step
-    counting the bytes sent), measure; -> the row. `train_config_for(args, sdpa_wrapper)` is the
+    """One rank of a CP=N job under the fake process group: build, warm up, measure, counting the
+    bytes sent in `counted_step`; -> the row. `train_config_for(args, sdpa_wrapper)` is the
     script's config."""
+    import contextlib
+
     import torch
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -147,16 +166,17 @@ def run_row(args, spec: dict, train_config_for) -> dict:
         trainer = build_trainer(config)
         row["estimate_gib"] = memory_estimate(config, parameter_count(trainer.model), trainer.model.config,
                                               rank=spec["rank"])["total"]
-        phase = "warm-up"
-        for index in range(args.warmup - 1):
-            trainer.step(index)
-        with CollectiveBytes() as sent:
-            trainer.step(args.warmup - 1)
-        phase = "measured steps"
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        seconds = [trainer.step(args.warmup + i)["seconds"] for i in range(args.steps)]
+        phase, counted, sent, seconds = "warm-up", counted_step(args.warmup), CollectiveBytes(), []
+        for index in range(args.warmup + args.steps):
+            if index == args.warmup:
+                phase = "measured steps"
+                if args.device == "cuda":
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+            with sent if index == counted else contextlib.nullcontext():
+                record = trainer.step(index)
+            if index >= args.warmup:
+                seconds.append(record["seconds"])
     except torch.OutOfMemoryError as exc:
         return {**row, "note": f"OOM ({phase}: {str(exc).splitlines()[0][:120]})"}
     except CPCompileError as exc:
@@ -165,6 +185,7 @@ def run_row(args, spec: dict, train_config_for) -> dict:
         return {**row, "note": f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     compute = sum(seconds) / len(seconds)
     return {**row, "compute_s": compute, "tokens_per_s": row["local_tokens"] / compute,
+            "bytes_counted_in": "a measured step" if counted >= args.warmup else "the last warm-up step",
             "peak_gib": peak_memory_gib(args.device),
             "sent": {**sent.by_category(), "total": sent.total},
             "collectives": sent.by_collective(), "unknown": dict(sent.unknown)}

@@ -22,7 +22,8 @@ prints its peak allocated memory; the last line is the summary with MFU, counted
 (H200 dense bf16: 989), without the activation-checkpointing recompute.
 
     python benchmarks/trainer_gpu.py --simulate-cp 2,4,8,16 [--tokens 128K,256K,512K,1M]
-        [--sdpa all_gather,ulysses] [--warmup 2 --steps 2] [--max-seconds 540] [--bandwidth-gbps 450]
+        [--sdpa all_gather,ulysses] [--warmup 2 --steps 2] [--ranks ends|first|last] [--max-seconds 540]
+        [--bandwidth-gbps 450]
 
 `--simulate-cp` plays, on one device, rank 0 and the last rank of a CP=N job under PyTorch's fake
 process group, one subprocess per row: real memory and compute, zero communication, the bytes each
@@ -193,9 +194,8 @@ def simulate(args, parser) -> None:
     if "," in args.loss or "," in args.ac:
         parser.error("--simulate-cp runs one --loss and one --ac mode")
     args.steps = 2 if args.steps is None else args.steps
-    if args.warmup < 2 or args.steps < 1:
-        parser.error("--simulate-cp needs --warmup >= 2 (the last counts the bytes, the first is no typical step) "
-                     "and --steps >= 1")
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--simulate-cp needs --warmup >= 1 (the first step is no typical step) and --steps >= 1")
     if args.simulate_row:
         from cpcompile.trainer import load_train_config
 
@@ -213,7 +213,9 @@ def simulate(args, parser) -> None:
         parser.error(f"--sdpa takes {', '.join(simulate_cp.SDPA_WRAPPERS)}; --simulate-cp sizes are >= 2")
     rows = simulate_cp.run_all(args, sys.argv[1:], os.path.abspath(__file__))
     print(f"\nPer rank ({'tiny model' if args.small else 'Qwen3.5-shaped 0.57B'}, {args.device}, loss {args.loss}, "
-          f"AC {args.ac}, warm-up {args.warmup} + {args.steps} measured steps, comm at {args.bandwidth_gbps:g} GB/s):")
+          f"AC {args.ac}, warm-up {args.warmup} + {args.steps} measured steps, bytes counted in "
+          f"{'the first measured step' if args.warmup == 1 else 'the last warm-up step'}, "
+          f"comm at {args.bandwidth_gbps:g} GB/s):")
     print(simulate_cp.rank_table(rows, args.bandwidth_gbps))
     print("\nThe CP=N job (the slower of the two ranks):")
     print(simulate_cp.job_table(rows, args.bandwidth_gbps), flush=True)
@@ -253,7 +255,11 @@ def main() -> None:
     simulation.add_argument("--simulate-cp", default=None, help="comma-separated CP sizes N, e.g. 2,4,8,16")
     simulation.add_argument("--tokens", default=None, help="global tokens a step: 128K,256K,512K,1M (--small: 64,128)")
     simulation.add_argument("--sdpa", default="all_gather,ulysses", help="comma-separated: all_gather, ulysses")
-    simulation.add_argument("--warmup", type=int, default=2, help="steps before the measured ones (the last counts bytes)")
+    simulation.add_argument("--warmup", type=int, default=2,
+                            help="steps before the measured ones; the last counts the bytes sent (with 1: the first "
+                                 "measured step does)")
+    simulation.add_argument("--ranks", default="ends", choices=("ends", "first", "last"),
+                            help="the ranks each (N, tokens) runs: 0 and N-1, or either alone")
     simulation.add_argument("--max-seconds", type=float, default=540.0, help="for all rows; rows past it say so")
     simulation.add_argument("--bandwidth-gbps", type=float, default=450.0, help="per direction (H200 NVLink: 450)")
     simulation.add_argument("--simulate-row", default=None, help=argparse.SUPPRESS)  # one row, in a child process

@@ -31,6 +31,22 @@ def test_simulate_cp_prints_a_row_per_rank_with_bytes_sent():
     assert "\n| all_gather | 2 | 64 | " in res.stdout.split("The CP=N job")[1]  # its job line
 
 
+def test_the_counted_step_is_never_the_first():
+    from simulate_cp import counted_step
+
+    assert [counted_step(warmup) for warmup in (1, 2, 3)] == [1, 1, 2]  # one warm-up: the first measured step
+    with pytest.raises(ValueError, match="warmup"):
+        counted_step(0)
+
+
+@pytest.mark.parametrize("ranks, expected", [("ends", [0, 3]), ("first", [0]), ("last", [3])])
+def test_rows_run_the_chosen_ranks(ranks, expected):
+    from simulate_cp import row_specs
+
+    specs = row_specs([4], [128], ["all_gather"], ranks)
+    assert [spec["rank"] for spec in specs] == expected
+
+
 @torch.library.custom_op("test_simulate_cp::send_inside", mutates_args=())
 def send_inside(x: torch.Tensor) -> torch.Tensor:
     """A send inside a custom op, as GDN State-P2P's executor sends its states."""
