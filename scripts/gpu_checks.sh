@@ -64,8 +64,10 @@ if has trainer; then
     2>&1 | tee "$out/trainer_vs_hf.log" | grep -E "^\||longest"
   [ "$what" = load ] && timeout 590 python3 benchmarks/load_memory_gpu.py --out "$out/load_memory_gpu.md" \
     2>&1 | tee "$out/load_memory_gpu.log" | grep "^|"
+  # WARMUP=1 saves a step a row (the bytes then counted in the measured step); RANKS=first|last|ends
   [ "$what" = simulate ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp "${CP_SIZES:-2,4}" \
-    --tokens "${TOKENS:-128K,256K}" --sdpa "${SDPA:-all_gather}" --max-seconds 570 2>&1 | tee "$out/simulate.log" | grep "^|"
+    --tokens "${TOKENS:-128K,256K}" --sdpa "${SDPA:-all_gather}" --warmup "${WARMUP:-2}" --ranks "${RANKS:-ends}" \
+    --max-seconds 570 2>&1 | tee "$out/simulate.log" | grep "^|"
   # does 512K fit, for one method (METHOD=cpcompile|hf_fused_ce; ~4-6 min each; for the trainer's lower-memory
   # switches EXTRA="--gdn-checkpoint-around-core --offload-layer-inputs --compile-backend eager" LENGTHS=1M
   # WARMUP=0: one step, ~5-6 min at 1M): the longest-length question of trainer_vs_hf.py without its doubling

@@ -95,6 +95,18 @@ SIMULATED_PEAKS = [
     (4, 128 * K, "sdpa_hf_ulysses", 0, 8.91),
     (8, 128 * K, "sdpa_hf_ulysses", 0, 6.08), (8, 128 * K, "sdpa_hf_ulysses", 7, 6.08),
     (8, 1024 * K, "sdpa_hf_ulysses", 0, 27.49), (8, 1024 * K, "sdpa_hf_ulysses", 7, 27.77),
+    # 2026-12-03, the grid's further cells (simulate_cp_2026-12-03_NVIDIA-H200_grid.md)
+    (2, 256 * K, "sdpa_hf", 0, 29.88), (2, 256 * K, "sdpa_hf", 1, 29.88), (2, 512 * K, "sdpa_hf", 0, 55.72),
+    (4, 256 * K, "sdpa_hf", 3, 15.37), (4, 512 * K, "sdpa_hf", 0, 28.29), (4, 512 * K, "sdpa_hf", 3, 28.29),
+    (8, 1024 * K, "sdpa_hf", 0, 27.49), (8, 1024 * K, "sdpa_hf", 7, 35.63),
+    (16, 1024 * K, "sdpa_hf", 0, 14.15), (16, 1024 * K, "sdpa_hf", 15, 30.20),
+    (2, 128 * K, "sdpa_hf_ulysses", 0, 16.96), (2, 128 * K, "sdpa_hf_ulysses", 1, 16.96),
+    (2, 256 * K, "sdpa_hf_ulysses", 0, 29.88), (2, 256 * K, "sdpa_hf_ulysses", 1, 29.88),
+    (4, 128 * K, "sdpa_hf_ulysses", 3, 8.91),
+    (4, 256 * K, "sdpa_hf_ulysses", 0, 15.37), (4, 256 * K, "sdpa_hf_ulysses", 3, 15.37),
+    (4, 512 * K, "sdpa_hf_ulysses", 0, 28.29), (4, 512 * K, "sdpa_hf_ulysses", 3, 28.29),
+    (8, 256 * K, "sdpa_hf_ulysses", 0, 8.09), (8, 256 * K, "sdpa_hf_ulysses", 7, 8.10),
+    (8, 512 * K, "sdpa_hf_ulysses", 0, 14.56), (8, 512 * K, "sdpa_hf_ulysses", 7, 14.56),
 ]
 
 
