@@ -185,7 +185,6 @@ def run_row(args, spec: dict, train_config_for) -> dict:
         return {**row, "note": f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     compute = sum(seconds) / len(seconds)
     return {**row, "compute_s": compute, "tokens_per_s": row["local_tokens"] / compute,
-            "bytes_counted_in": "a measured step" if counted >= args.warmup else "the last warm-up step",
             "peak_gib": peak_memory_gib(args.device),
             "sent": {**sent.by_category(), "total": sent.total},
             "collectives": sent.by_collective(), "unknown": dict(sent.unknown)}

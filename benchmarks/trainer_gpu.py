@@ -212,9 +212,11 @@ def simulate(args, parser) -> None:
     if unknown or any(n < 2 for n in args.simulate_cp):
         parser.error(f"--sdpa takes {', '.join(simulate_cp.SDPA_WRAPPERS)}; --simulate-cp sizes are >= 2")
     rows = simulate_cp.run_all(args, sys.argv[1:], os.path.abspath(__file__))
+    in_measured = simulate_cp.counted_step(args.warmup) >= args.warmup
+    counted = "the first measured step" if in_measured else "the last warm-up step"
     print(f"\nPer rank ({'tiny model' if args.small else 'Qwen3.5-shaped 0.57B'}, {args.device}, loss {args.loss}, "
           f"AC {args.ac}, warm-up {args.warmup} + {args.steps} measured steps, bytes counted in "
-          f"{'the first measured step' if args.warmup == 1 else 'the last warm-up step'}, "
+          f"{counted}, "
           f"comm at {args.bandwidth_gbps:g} GB/s):")
     print(simulate_cp.rank_table(rows, args.bandwidth_gbps))
     print("\nThe CP=N job (the slower of the two ranks):")
