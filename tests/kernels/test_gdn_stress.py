@@ -1,8 +1,10 @@
 """The GDN cores where an unstable chunk inverse fails: correlated keys and weak decay.
 
 Every regime of ``cpcompile.kernels.gdn.stress`` (key cosine 0 / 0.5 / 0.75 / 0.95 x gate scale
-0 / 0.01 / 0.1 / 1) in several layouts (one chunk; a partial chunk with grouped heads, batch 2
-and an initial state; 1000 tokens; packed documents through ``cu_seqlens``), q/k L2-normalised in
+0 / 0.01 / 0.1 / 1) in the layouts where a chunk inverse fails (one chunk; a partial chunk with
+grouped heads, batch 2 and an initial state), and the hardest regimes and one easy one in the
+longer layouts (1000 tokens; packed documents through ``cu_seqlens``; they add the state carried
+across chunks and documents, and cost 3x a short case in the interpreter), q/k L2-normalised in
 the op as Qwen3.5 does. Judged against the float64 token-by-token recurrence: the output, the
 final state and every gradient (q, k, v, g, beta and the initial state).
 
@@ -42,6 +44,11 @@ LAYOUTS = {
     "cu_seqlens": Layout(1, 230, 1, 2, 32, 32, documents=(37, 129, 64)),
 }
 REGIME_IDS = [str(r) for r in REGIMES]
+# the hardest regimes (correlated keys, no or weak decay) and one easy one
+HARDEST_REGIMES = (Regime(0.75, 0.0), Regime(0.95, 0.0), Regime(0.95, 0.1), Regime(0.0, 1.0))
+CHUNK_INVERSE_LAYOUTS = ("one-chunk", "partial-grouped-h0")  # every regime
+CASES = [(regime, layout) for layout in LAYOUTS for regime in REGIMES
+         if layout in CHUNK_INVERSE_LAYOUTS or regime in HARDEST_REGIMES]
 
 
 def _assert_within(errors, bound, what):
@@ -56,26 +63,21 @@ def _as_accurate_as_eager(case, device, what):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU interpreter set (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("layout", list(LAYOUTS), ids=list(LAYOUTS))
-@pytest.mark.parametrize("regime", REGIMES, ids=REGIME_IDS)
+@pytest.mark.parametrize("regime, layout", CASES, ids=[f"{regime}-{layout}" for regime, layout in CASES])
 def test_triton_core_as_accurate_as_eager(regime, layout):
     seed = 1000 * KEY_COSINES.index(regime.key_cosine) + 10 * list(LAYOUTS).index(layout) + int(100 * regime.gate_scale)
     _as_accurate_as_eager(stress_case(regime, LAYOUTS[layout], seed), "cpu", f"{regime} {layout}")
 
 
-# the hardest regimes (correlated keys, no or weak decay) and one easy one
-SUBSTITUTION_REGIMES = [Regime(0.75, 0.0), Regime(0.95, 0.0), Regime(0.95, 0.1), Regime(0.0, 1.0)]
-
-
 @pytest.mark.skipif(not INTERPRET, reason="CPU interpreter set (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("regime", SUBSTITUTION_REGIMES, ids=[str(r) for r in SUBSTITUTION_REGIMES])
+@pytest.mark.parametrize("regime", HARDEST_REGIMES, ids=[str(r) for r in HARDEST_REGIMES])
 def test_substitution_inverse_as_accurate_as_eager(monkeypatch, regime):
     """The blocked forward-substitution inverse (``launch.INVERSE_BLOCK = 16``), the alternative to
     the default recursive doubling."""
     from cpcompile.kernels.gdn.triton import launch
 
     monkeypatch.setattr(launch, "INVERSE_BLOCK", 16)
-    seed = 7 + SUBSTITUTION_REGIMES.index(regime)
+    seed = 7 + HARDEST_REGIMES.index(regime)
     layout = LAYOUTS["partial-grouped-h0"]
     _as_accurate_as_eager(stress_case(regime, layout, seed), "cpu", f"{regime} substitution")
 

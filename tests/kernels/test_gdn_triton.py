@@ -308,7 +308,7 @@ def test_backward_refuses_one_rstd_without_the_other():
 
 @cpu_only
 def test_opcheck_custom_ops():
-    q, k, v, g, beta, state = _inputs(1, 70, 1, 2, 16, 16, torch.float32, seed=11, h0=True)
+    q, k, v, g, beta, state = _inputs(1, 40, 1, 2, 16, 16, torch.float32, seed=11, h0=True)
     leaves = [x.requires_grad_() for x in (q, k, v, g, beta, state)]
     torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_fwd.default, (*leaves, 0.25))
     torch.library.opcheck(torch.ops.cpcompile.gdn_chunk_fwd.default, (*leaves, 0.25, True))

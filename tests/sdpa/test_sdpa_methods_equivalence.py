@@ -50,8 +50,10 @@ def _aot_eager(rank: int, world: int, seed: int, method: str) -> dict:
                           compile_backend="aot_eager")
 
 
+# Hybrid (CP=4 only: 24 s here on the 2-core CI box) runs under torch.compile in
+# tests/async/test_async_equivalence.py, as async Hybrid with the backward scheduled
 @pytest.mark.slow
-@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("method", ("ulysses", "head_tail"))
 def test_under_aot_eager(method):
     world = METHODS[method][1][0]
     for result in run_distributed(_aot_eager, world, random.randrange(1 << 30), method, timeout=600):
