@@ -107,7 +107,7 @@ SIMULATED_PEAKS = [
     (4, 512 * K, "sdpa_hf_ulysses", 0, 28.29), (4, 512 * K, "sdpa_hf_ulysses", 3, 28.29),
     (8, 256 * K, "sdpa_hf_ulysses", 0, 8.09), (8, 256 * K, "sdpa_hf_ulysses", 7, 8.10),
     (8, 512 * K, "sdpa_hf_ulysses", 0, 14.56), (8, 512 * K, "sdpa_hf_ulysses", 7, 14.56),
-    # the grid's 1M cells at N=2 and 4 (the same file's second part)
+    # the same file's second part: N=2 at 512K and 1M, N=4 at 1M
     (2, 512 * K, "sdpa_hf", 1, 55.72), (2, 1024 * K, "sdpa_hf", 0, 107.41), (2, 1024 * K, "sdpa_hf", 1, 107.41),
     (4, 1024 * K, "sdpa_hf", 0, 54.14),
     (2, 512 * K, "sdpa_hf_ulysses", 0, 55.72), (2, 512 * K, "sdpa_hf_ulysses", 1, 55.72),
