@@ -79,7 +79,8 @@ core's launch code allocating its buffers with its kernels skipped, and tests/tr
 test_memory_layers.py holds the counts to that measurement within 1% (they differ by 0.2%: the
 per-row rsqrt and per-head gate vectors, rounded here). docs/trainer.md has the check against the
 H200 peaks: every eager row within 2.1%, the CP rows rank by rank (rank 0 and the last, CP=2-16,
-128K-1M tokens), but the last AllGather rank at 1M tokens (4-6% under: 1.3-1.7 GiB not found).
+128K-1M tokens), but the last AllGather rank at 1M tokens at CP=8 and 16 (4-6% under: 1.3-1.7 GiB
+not found; at CP=2 within 0.3%).
 `estimate(rank=None)`, what the dry run prints, is the busiest rank's (`busiest_rank`), the job's
 peak.
 
