@@ -112,6 +112,9 @@ SIMULATED_PEAKS = [
     (4, 1024 * K, "sdpa_hf", 0, 54.14),
     (2, 512 * K, "sdpa_hf_ulysses", 0, 55.72), (2, 512 * K, "sdpa_hf_ulysses", 1, 55.72),
     (4, 1024 * K, "sdpa_hf_ulysses", 0, 54.14),
+    # its third part (2026-12-04): the last rank of N=4 and both of Ulysses N=2, at 1M
+    (4, 1024 * K, "sdpa_hf", 3, 54.14), (4, 1024 * K, "sdpa_hf_ulysses", 3, 54.14),
+    (2, 1024 * K, "sdpa_hf_ulysses", 0, 107.40), (2, 1024 * K, "sdpa_hf_ulysses", 1, 107.41),
 ]
 
 
