@@ -18,6 +18,13 @@ input signature of `fn` eagerly (the regions trace then, on every rank alike) an
 call compiled, when every region finds its graph. Anywhere else under `torch.compile` a region
 is a graph of its own, on every rank (`InstalledRegion` logs that once). Static shapes: a
 region keeps one graph per shape anyway, and symbolic sizes cannot key its lookup.
+
+Dynamo keeps its compiled code per code object, and every decoder layer's forward is the same
+code. Without regions the layers share one entry; a layer holding regions is guarded on its own
+region objects, so each layer is an entry of its own, and past `recompile_limit` entries (8 by
+default) Dynamo runs the code eagerly with only a warning: a 20-layer CP model compiled 8 layers.
+So each function compiled here brings Dynamo's default share of entries to the limit, as each
+region does where it is a graph of its own (its `_run` is one code object too).
 """
 from __future__ import annotations
 
@@ -31,12 +38,25 @@ from torch.utils import _pytree as pytree
 from .region import autocast_state, call_structure, leaf_key
 
 
+DYNAMO_ENTRIES_PER_FUNCTION = 8  # torch._dynamo.config.recompile_limit's default
 _inlining = False  # set while `EagerFirstCompiled` runs its compiled function (Dynamo guards on it)
+_compiled_functions = 0  # `EagerFirstCompiled` instances made: they may all wrap one code object
 
 
 def regions_inlined() -> bool:
     """Whether code being compiled now may inline the CP regions it calls."""
     return _inlining
+
+
+@contextlib.contextmanager
+def entries_for(functions: int) -> Iterator[None]:
+    """Dynamo's recompile limits raised to its default share per function, for `functions` functions
+    that may share one code object (the module docstring says why); never lowered."""
+    config = torch._dynamo.config
+    per_code = max(config.recompile_limit, DYNAMO_ENTRIES_PER_FUNCTION * functions)
+    with config.patch(recompile_limit=per_code,
+                      accumulated_recompile_limit=max(config.accumulated_recompile_limit, per_code)):
+        yield
 
 
 @contextlib.contextmanager
@@ -66,11 +86,13 @@ class EagerFirstCompiled:
         self.compiled = torch.compile(fn, dynamic=False, **compile_options)
         self.seen: set[tuple] = set()
         functools.update_wrapper(self, fn)
+        global _compiled_functions
+        _compiled_functions += 1
 
     def __call__(self, *args, **kwargs):
         signature = call_signature(args, kwargs)
         if signature in self.seen:
-            with inlining_regions():
+            with inlining_regions(), entries_for(_compiled_functions):
                 return self.compiled(*args, **kwargs)
         self.seen.add(signature)
         return self.eager(*args, **kwargs)

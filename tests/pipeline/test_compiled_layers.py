@@ -26,6 +26,34 @@ LAYERS = 4  # tiny_qwen3_5: 3 GDN layers, then an attention layer
 STEPS = 3
 
 
+def _regions_under_plain_compile(rank: int, world: int) -> dict:
+    """Rank 0 of a fake group of 2: a 9-layer Qwen3 (9 SDPA AllGather regions) under plain
+    `torch.compile`, where each region is a graph of its own: the Dynamo warnings of two calls."""
+    import logging
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import cpcompile
+    from cp_harness import sdpa_plan, tiny_qwen3
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("torch._dynamo").addHandler(handler)
+    batch = {"input_ids": torch.randint(0, 96, (1, 8)), "position_ids": torch.arange(8)[None], "use_cache": False}
+    plan = cpcompile.load_plan(sdpa_plan(2))
+    mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+    model = cpcompile.compile(tiny_qwen3(0, layers=9), mesh, plan, example_inputs=batch)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        for _ in range(2):
+            compiled(**batch)
+    dist.destroy_process_group()
+    return {"warnings": warnings}
+
+
 def _global_results(model, mesh, plan, local: dict) -> dict:
     """One forward and backward of the CP model, in global terms (logits gathered, loss and
     gradients summed over the cp group)."""
@@ -165,3 +193,57 @@ def _check(result: dict) -> None:
     assert not cp1["missing"] and max(cp1["logits"], cp1["loss"], *rest) <= 1e-5, cp1
     assert decay_as_close_as_reference(result["decay"]), result["decay"]
 
+
+
+class _PerLayerCallable:
+    """An object in a submodule's `forward`, as `InstalledRegion` is: Dynamo guards on it, so each
+    layer is a compiled entry of its own."""
+
+    def __init__(self, scale: float):
+        self.scale = scale
+
+    def __call__(self, x):
+        return x * self.scale
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, scale: float):
+        super().__init__()
+        self.mixer = torch.nn.Module()
+        self.mixer.forward = _PerLayerCallable(scale)
+
+    def forward(self, x):
+        return torch.sin(self.mixer(x)) + 1
+
+
+def test_every_layer_compiles_past_dynamos_recompile_limit():
+    """20 layers of one code object, each guarded on its own object: Dynamo's default limit of 8
+    entries a code object would run the 9th layer on eagerly with a warning (a 20-layer CP model
+    compiled 8); `compile_around_regions` gives each compiled function its share."""
+    import torch._dynamo
+
+    from cpcompile.compiled import compile_around_regions
+
+    graphs = []
+
+    def counting_eager(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    layers = [_Layer(1.0 + i) for i in range(20)]
+    for layer in layers:
+        layer.forward = compile_around_regions(layer.forward, counting_eager)
+    x = torch.randn(3, 4)
+    for _ in range(2):  # the first call of a signature is eager, the second compiled
+        outputs = [layer(x) for layer in layers]
+    assert len(graphs) == len(layers), len(graphs)
+    for i, out in enumerate(outputs):
+        torch.testing.assert_close(out, torch.sin(x * (1.0 + i)) + 1)
+
+
+def test_every_region_compiles_past_dynamos_recompile_limit_under_plain_compile():
+    """Under plain `torch.compile` each region's `_run` is an entry of one code object: with 9
+    regions, the 9th would run uncompiled past Dynamo's limit of 8."""
+    (result,) = run_distributed(_regions_under_plain_compile, 1, init_pg=False, timeout=300)
+    assert not [w for w in result["warnings"] if "recompile_limit" in w], result["warnings"]
