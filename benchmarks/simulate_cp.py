@@ -116,6 +116,8 @@ def run_all(args, argv: list[str], script: str) -> list[dict]:
             if note.startswith("OOM"):
                 out_of_memory.add((*key, spec["rank"]))
         print(f"[{time.perf_counter() - start:.0f} s] " + describe(rows[-1]), flush=True)
+        if "profile" in rows[-1]:
+            print(rows[-1].pop("profile"), flush=True)
     return rows
 
 
@@ -156,6 +158,7 @@ def run_row(args, spec: dict, train_config_for) -> dict:
     from cpcompile.trainer.metrics import peak_memory_gib
     from cpcompile.trainer.parallelize import parameter_count
     from collective_bytes import CollectiveBytes
+    from step_profile import kernel_table
 
     dist.init_process_group("fake", store=FakeStore(), rank=spec["rank"], world_size=spec["cp"])
     args.cp, args.seq_len = spec["cp"], spec["tokens"]
@@ -177,6 +180,12 @@ def run_row(args, spec: dict, train_config_for) -> dict:
                 record = trainer.step(index)
             if index >= args.warmup:
                 seconds.append(record["seconds"])
+        peak = peak_memory_gib(args.device)
+        if args.profile:  # one step more, not measured: the profiler slows it
+            phase, tables = "profiled step", []
+            with kernel_table(args.device, tables):
+                trainer.step(args.warmup + args.steps)
+            row["profile"] = tables[0]
     except torch.OutOfMemoryError as exc:
         return {**row, "note": f"OOM ({phase}: {str(exc).splitlines()[0][:120]})"}
     except CPCompileError as exc:
@@ -185,7 +194,7 @@ def run_row(args, spec: dict, train_config_for) -> dict:
         return {**row, "note": f"refused: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"}
     compute = sum(seconds) / len(seconds)
     return {**row, "compute_s": compute, "tokens_per_s": row["local_tokens"] / compute,
-            "peak_gib": peak_memory_gib(args.device),
+            "peak_gib": peak,
             "sent": {**sent.by_category(), "total": sent.total},
             "collectives": sent.by_collective(), "unknown": dict(sent.unknown)}
 

@@ -135,22 +135,21 @@ def run_mode(args, loss: str, ac: str) -> dict:
 
 
 @contextlib.contextmanager
-def profiled(enabled: bool, device: str, rows: int = 30):
-    """With --profile, around the last step: PyTorch's profiler, then its kernels by device time
-    (which attention, GDN and matmul kernels the step ran, and their share)."""
+def profiled(enabled: bool, device: str):
+    """With --profile, around the last step: its kernels by device time (step_profile.py), printed
+    by rank 0."""
     if not enabled:
         yield
         return
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-    with profile(activities=activities) as prof:
+    from step_profile import kernel_table
+
+    tables: list[str] = []
+    with kernel_table(device, tables):
         yield
-    sort_by = "self_cuda_time_total" if device == "cuda" else "self_cpu_time_total"
-    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-        return
-    print(prof.key_averages().table(sort_by=sort_by, row_limit=rows, max_name_column_width=90), flush=True)
+    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+        print(tables[0], flush=True)
 
 
 def verdict(record: dict, train_config) -> str:
@@ -200,8 +199,9 @@ def simulate(args, parser) -> None:
         from cpcompile.trainer import load_train_config
 
         def train_config_for(child_args, sdpa_wrapper):
-            # the run's LR schedule covers the warm-up and the measured steps
-            scheduled = argparse.Namespace(**{**vars(child_args), "steps": child_args.warmup + child_args.steps})
+            # the run's LR schedule covers the warm-up, the measured steps and a profiled one
+            steps = child_args.warmup + child_args.steps + int(child_args.profile)
+            scheduled = argparse.Namespace(**{**vars(child_args), "steps": steps})
             return load_train_config(config(scheduled, scheduled.loss, ac_setting(scheduled.ac), sdpa_wrapper))
 
         return simulate_cp.child_main(args, args.simulate_row, train_config_for)
@@ -245,7 +245,8 @@ def main() -> None:
                              "cuda): less memory a token, one more forward of the GDN layers' projections, conv, "
                              "gated norm and out_proj")
     parser.add_argument("--profile", action="store_true",
-                        help="profile the last step; print its kernels by device time")
+                        help="profile the last step; print its kernels by device time (with --simulate-cp: one "
+                             "step more per row, after the measured ones)")
     parser.add_argument("--verify", action="store_true",
                         help="train.verify: judge each step against unrewritten bf16 and float32 copies (parity)")
     parser.add_argument("--sdpa-backend", default=None, choices=tuple(SDPA_BACKENDS),

@@ -16,9 +16,10 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
 def test_simulate_cp_prints_a_row_per_rank_with_bytes_sent():
+    """... and, with --profile, each rank's ops in one step more."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_gpu.py"), "--simulate-cp", "2", "--small",
-           "--device", "cpu", "--tokens", "64", "--sdpa", "all_gather", "--steps", "1"]
+           "--device", "cpu", "--tokens", "64", "--sdpa", "all_gather", "--steps", "1", "--profile"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     table = res.stdout[res.stdout.index("| SDPA | N |"):].split("\n\n")[0].splitlines()[2:]
@@ -29,6 +30,7 @@ def test_simulate_cp_prints_a_row_per_rank_with_bytes_sent():
         assert sent_total > 0, row
         assert float(row[8]) > 0 and float(row[6]) > 0, row  # compute time, memory estimate
     assert "\n| all_gather | 2 | 64 | " in res.stdout.split("The CP=N job")[1]  # its job line
+    assert res.stdout.count("Self CPU time total") == 2, res.stdout[:3000]  # a profile per rank
 
 
 def test_the_counted_step_is_never_the_first():
