@@ -23,7 +23,7 @@ prints its peak allocated memory; the last line is the summary with MFU, counted
 
     python benchmarks/trainer_gpu.py --simulate-cp 2,4,8,16 [--tokens 128K,256K,512K,1M]
         [--sdpa all_gather,ulysses] [--warmup 2 --steps 2] [--ranks ends|first|last] [--max-seconds 540]
-        [--bandwidth-gbps 450]
+        [--bandwidth-gbps 450] [--profile]
 
 `--simulate-cp` plays, on one device, rank 0 and the last rank of a CP=N job under PyTorch's fake
 process group, one subprocess per row: real memory and compute, zero communication, the bytes each
@@ -31,6 +31,7 @@ rank sends counted from its collectives, and the CP=N step predicted from them (
 says how; collective_bytes.py the byte formulas). GDN runs State-P2P; SDPA AllGather or Ulysses
 (`--sdpa`; Ulysses where the heads allow: the rows say which N cpcompile refuses). Each row also has
 the trainer's memory estimate (`memory_estimate`, what `--dry-run` prints) beside the measured peak.
+With `--profile` each row runs one step more, under the profiler, and prints its ops by device time.
 Smoke: `--simulate-cp 2 --small --device cpu --tokens 64`.
 """
 from __future__ import annotations
