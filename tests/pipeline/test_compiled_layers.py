@@ -28,7 +28,8 @@ STEPS = 3
 
 def _regions_under_plain_compile(rank: int, world: int) -> dict:
     """Rank 0 of a fake group of 2: a 9-layer Qwen3 (9 SDPA AllGather regions) under plain
-    `torch.compile`, where each region is a graph of its own: the Dynamo warnings of two calls."""
+    `torch.compile`, where each region is a graph of its own: the Dynamo warnings of one call (each
+    region's `_run` is compiled at its first)."""
     import logging
 
     import torch.distributed as dist
@@ -48,8 +49,7 @@ def _regions_under_plain_compile(rank: int, world: int) -> dict:
     model = cpcompile.compile(tiny_qwen3(0, layers=9), mesh, plan, example_inputs=batch)
     compiled = torch.compile(model, backend="eager")
     with torch.no_grad():
-        for _ in range(2):
-            compiled(**batch)
+        compiled(**batch)
     dist.destroy_process_group()
     return {"warnings": warnings}
 
@@ -246,4 +246,5 @@ def test_every_region_compiles_past_dynamos_recompile_limit_under_plain_compile(
     """Under plain `torch.compile` each region's `_run` is an entry of one code object: with 9
     regions, the 9th would run uncompiled past Dynamo's limit of 8."""
     (result,) = run_distributed(_regions_under_plain_compile, 1, init_pg=False, timeout=300)
-    assert not [w for w in result["warnings"] if "recompile_limit" in w], result["warnings"]
+    ours = [w for w in result["warnings"] if "recompile_limit" in w and "cpcompile" in w]  # not transformers' frames
+    assert not ours, ours
