@@ -100,9 +100,16 @@ if has trainer; then
     timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_linear_cross_entropy.py \
       tests/gdn/test_gdn_adapter.py 2>&1 | tail -3
   fi
-  # compiled layers holding CP regions on CUDA (fake process group: runs and memory, not equivalence)
-  [ "$what" = compiled_cp ] && timeout 590 python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K \
-    --sdpa all_gather --compile-backend inductor --max-seconds 570 2>&1 | tee "$out/compiled_cp.log" | grep "^|"
+  # compiled layers holding CP regions on CUDA (fake process group: runs and memory, not equivalence),
+  # rank 0 profiled beside cp 1's compiled 32K step: why compiling gains 1.04x under CP and 1.84x
+  # without (results/compiled_cp_2026-12-04_NVIDIA-H200.md); ~4 min
+  if [ "$what" = compiled_cp ]; then
+    timeout 300 python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K --sdpa all_gather \
+      --compile-backend inductor --ranks first --warmup 2 --steps 1 --profile --max-seconds 280 \
+      2>&1 | tee "$out/compiled_cp.log" | grep "^|"
+    timeout 250 python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 5 --profile > "$out/cp1_profile.log" 2>&1
+    grep -E "^step|^\|" "$out/cp1_profile.log" | tail -3
+  fi
 fi
 if has multi && [ "$gpus" -ge 2 ]; then
   timeout 900 torchrun --standalone --nproc-per-node "$gpus" benchmarks/cp_methods.py --device cuda \
