@@ -23,8 +23,9 @@ Dynamo keeps its compiled code per code object, and every decoder layer's forwar
 code. Without regions the layers share one entry; a layer holding regions is guarded on its own
 region objects, so each layer is an entry of its own, and past `recompile_limit` entries (8 by
 default) Dynamo runs the code eagerly with only a warning: a 20-layer CP model compiled 8 layers.
-So each function compiled here brings Dynamo's default share of entries to the limit, as each
-region does where it is a graph of its own (its `_run` is one code object too).
+So each function compiled here, and each region (where it is a graph of its own, its `_run` is
+one code object too), brings Dynamo's default share of entries to the limit
+(`add_code_entry`, `room_for_every_entry`).
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ from .region import autocast_state, call_structure, leaf_key
 
 DYNAMO_ENTRIES_PER_FUNCTION = 8  # torch._dynamo.config.recompile_limit's default
 _inlining = False  # set while `EagerFirstCompiled` runs its compiled function (Dynamo guards on it)
-_compiled_functions = 0  # `EagerFirstCompiled` instances made: they may all wrap one code object
+_code_entries = 0  # compiled functions and regions made: each may be an entry of a code object they share
 
 
 def regions_inlined() -> bool:
@@ -48,12 +49,18 @@ def regions_inlined() -> bool:
     return _inlining
 
 
+def add_code_entry() -> None:
+    """Count one more compiled function or region (the module docstring says why)."""
+    global _code_entries
+    _code_entries += 1
+
+
 @contextlib.contextmanager
-def entries_for(functions: int) -> Iterator[None]:
-    """Dynamo's recompile limits raised to its default share per function, for `functions` functions
-    that may share one code object (the module docstring says why); never lowered."""
+def room_for_every_entry() -> Iterator[None]:
+    """Dynamo's recompile limits raised to its default share for each counted function or region;
+    never lowered."""
     config = torch._dynamo.config
-    per_code = max(config.recompile_limit, DYNAMO_ENTRIES_PER_FUNCTION * functions)
+    per_code = max(config.recompile_limit, DYNAMO_ENTRIES_PER_FUNCTION * _code_entries)
     with config.patch(recompile_limit=per_code,
                       accumulated_recompile_limit=max(config.accumulated_recompile_limit, per_code)):
         yield
@@ -86,13 +93,12 @@ class EagerFirstCompiled:
         self.compiled = torch.compile(fn, dynamic=False, **compile_options)
         self.seen: set[tuple] = set()
         functools.update_wrapper(self, fn)
-        global _compiled_functions
-        _compiled_functions += 1
+        add_code_entry()
 
     def __call__(self, *args, **kwargs):
         signature = call_signature(args, kwargs)
         if signature in self.seen:
-            with inlining_regions(), entries_for(_compiled_functions):
+            with inlining_regions(), room_for_every_entry():
                 return self.compiled(*args, **kwargs)
         self.seen.add(signature)
         return self.eager(*args, **kwargs)

@@ -18,7 +18,7 @@ from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_
 from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
-from .compiled import entries_for, regions_inlined
+from .compiled import add_code_entry, regions_inlined, room_for_every_entry
 from .context import DeclaredAttention, PassContext
 from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
 from .dump import Dump, resolve_dump_dir
@@ -385,11 +385,9 @@ class InstalledRegion:
     way. The graphs are kept least recently used first, at most `retrace.cache_size` of them.
     """
 
-    made = 0  # instances: under `torch.compile` each region's `_run` is an entry of one code object
-
     def __init__(self, target: Target, mesh, dump: Dump | None, retrace: RetracePolicy, args: tuple, kwargs: dict,
                  tp_linears: list | None = None, documents: DocumentFeed | None = None):
-        InstalledRegion.made += 1
+        add_code_entry()  # under `torch.compile` each region's `_run` is an entry of one code object
         self.target = target
         self.region = region_for(target.override.method)
         if hasattr(self.region, "bind"):  # a region that needs its module and the mesh (local_compute_fn)
@@ -456,7 +454,7 @@ class InstalledRegion:
                         "around each (inside an activation checkpoint the whole checkpointed layer runs eagerly). "
                         "Compile code around CP regions with cpcompile.compiled.compile_around_regions for one graph "
                         "with the regions inside. Logged once.", self.target.fqn)
-        with entries_for(InstalledRegion.made):  # else past 8 regions the rest would run uncompiled
+        with room_for_every_entry():  # else past 8 regions the rest would run uncompiled
             return self._run(*args, **kwargs)
 
     def _run(self, *args, **kwargs):

@@ -194,7 +194,6 @@ def _check(result: dict) -> None:
     assert decay_as_close_as_reference(result["decay"]), result["decay"]
 
 
-
 class _PerLayerCallable:
     """An object in a submodule's `forward`, as `InstalledRegion` is: Dynamo guards on it, so each
     layer is a compiled entry of its own."""
