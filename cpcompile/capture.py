@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .audit.mixers import Mixer, mixer_audit
+from .audit.tokens import TokenBatch, from_layer_input, from_sdpa_call, from_shapes
 from .methods import core_module_kind
 
 @dataclass
@@ -29,25 +30,36 @@ class ProbeResult:
     # modules outside the regions found mixing sequence positions: one chain per outermost one
     mixers: list[list[Mixer]] = field(default_factory=list)
     mixers_report: str = ""
-    mixers_audited: int | None = None  # outermost modules the audit called again (None: skipped)
+    mixers_audited: int = 0  # outermost modules the audit called again
+    tokens: TokenBatch | None = None  # the local batch, as the first attention core saw it
+
+
+def _no_note(_tokens: TokenBatch) -> None:
+    return None
 
 
 class _RecordSdpaCalls(TorchFunctionMode):
-    def __init__(self, stack: list[str], sites: list):
+    """Answers every SDPA call with zeros; records its module stack in `sites` (when given) and its
+    local batch through `on_core`."""
+
+    def __init__(self, stack: list[str] | None = None, sites: list | None = None,
+                 on_core: Callable[[TokenBatch], None] = _no_note):
         super().__init__()
-        self.stack, self.sites = stack, sites
+        self.stack, self.sites, self.on_core = stack, sites, on_core
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is not F.scaled_dot_product_attention:
             return func(*args, **kwargs)
-        self.sites.append(("sdpa", tuple(self.stack)))
+        query = args[0] if args else kwargs["query"]
+        value = args[2] if len(args) > 2 else kwargs["value"]
+        if self.sites is not None:
+            self.sites.append(("sdpa", tuple(self.stack)))
+        self.on_core(from_sdpa_call(query))
         # Answered with zeros, like the stubbed GDN layers: the probe needs the calls' sites and the
         # regions' inputs, not attention values. Running it would cost the whole local attention at
         # the probe's dtype: fp32 parameters with grouped KV heads send SDPA to its math kernel,
         # whose [heads, S_local, S_local] scores are 512 GiB at 128K local tokens.
-        query = args[0] if args else kwargs["query"]
-        value = args[2] if len(args) > 2 else kwargs["value"]
         return query.new_zeros(*query.shape[:-1], value.shape[-1])
 
 
@@ -90,8 +102,9 @@ def _record_first_inputs(modules: dict[str, nn.Module], into: dict):
 
 
 @contextmanager
-def _module_cores_stubbed(model: nn.Module):
-    """Module-type cores (GDN layers) answer the probe with zeros instead of running.
+def _module_cores_stubbed(model: nn.Module, on_core: Callable[[TokenBatch], None] = _no_note):
+    """Module-type cores (GDN layers) answer the probe with zeros instead of running (and tell
+    `on_core` their local batch).
 
     The probe needs only their call inputs, and their library forward may dispatch to kernels
     that cannot run here (transformers sends Qwen3.5's GDN to fla-core when it is installed,
@@ -100,7 +113,9 @@ def _module_cores_stubbed(model: nn.Module):
     stubbed = [m for m in model.modules() if core_module_kind(m) is not None]
 
     def zeros_like_input(hidden_states=None, *args, **kwargs):
-        return torch.zeros_like(hidden_states if hidden_states is not None else kwargs["hidden_states"])
+        hidden_states = hidden_states if hidden_states is not None else kwargs["hidden_states"]
+        on_core(from_layer_input(hidden_states))
+        return torch.zeros_like(hidden_states)
 
     saved = {module: module.__dict__.get("forward") for module in stubbed}
     for module in stubbed:
@@ -115,25 +130,47 @@ def _module_cores_stubbed(model: nn.Module):
                 module.forward = forward
 
 
+@contextmanager
+def cores_answered_with_zeros(model: nn.Module):
+    """Every attention core of `model` (SDPA calls, GDN layers) answers with zeros while inside."""
+    with _module_cores_stubbed(model), _RecordSdpaCalls():
+        yield
+
+
+def forked_rng():
+    """A random stream of its own for a forward cpcompile runs at `compile`: the user's training must
+    see the stream it would have without cpcompile."""
+    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.random.fork_rng(devices=cuda)
+
+
+def call_model(model: nn.Module, example: Any) -> Any:
+    """`model` called with the example batch: keyword arguments, positional ones, or one input."""
+    if isinstance(example, dict):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
 def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module]) -> ProbeResult:
     """One forward (no grad) recording region inputs and where each core runs, auditing the modules
     outside the regions for sequence mixing on the way (`audit.mixers`)."""
     result = ProbeResult()
     stack: list[str] = []
-    # forked RNG: the probe must not change the random stream the user's training sees
-    cuda = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
-    with torch.random.fork_rng(devices=cuda), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
-            _record_first_inputs(regions, result.inputs), _module_cores_stubbed(model), \
-            mixer_audit(model, list(regions), example) as audit:
-        with _RecordSdpaCalls(stack, result.core_sites):
-            if isinstance(example, dict):
-                model(**example)
-            elif isinstance(example, (tuple, list)):
-                model(*example)
-            else:
-                model(example)
-    if audit is not None:
-        result.mixers, result.mixers_report, result.mixers_audited = audit.found, audit.report(), len(audit.audited)
+    with forked_rng(), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
+            _record_first_inputs(regions, result.inputs), mixer_audit(model, list(regions)) as audit:
+
+        def note_core(tokens: TokenBatch) -> None:
+            if result.tokens is None:
+                result.tokens = tokens
+                audit.set_tokens(tokens)
+
+        with _module_cores_stubbed(model, note_core), _RecordSdpaCalls(stack, result.core_sites, note_core):
+            call_model(model, example)
+        if result.tokens is None and result.inputs:  # regions with no attention core: a local_compute_fn's
+            note_core(from_shapes(example, next(iter(result.inputs.values()))))
+    result.mixers, result.mixers_report, result.mixers_audited = audit.found, audit.report(), len(audit.audited)
     return result
 
 

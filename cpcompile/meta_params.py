@@ -148,6 +148,41 @@ def real_stand_ins(module: nn.Module, fqn: str, args: tuple, kwargs: dict) -> It
             owner._parameters[name] = param
 
 
+@contextlib.contextmanager
+def stand_ins_while_called(model: nn.Module) -> Iterator[None]:
+    """For the cut audit (audit/cuts.py) of a model with fake parameters: while inside, each module
+    holding fake parameters of its own has them replaced by seeded random ones for the length of
+    each of its calls (the same values at every call: the seed is the parameter's place in the
+    model), so that no more than one module's parameters are real at a time. A model with real
+    parameters passes unchanged."""
+    seeds = {id(p): STAND_IN_SEED + i for i, p in enumerate(model.parameters()) if is_fake(p)}
+    if not seeds:
+        yield
+        return
+    saved: dict[nn.Module, list] = {}
+
+    def swap_in(module, _args):
+        own = [(name, p) for name, p in module._parameters.items() if p is not None and id(p) in seeds]
+        saved[module] = own
+        for name, param in own:
+            generator = torch.Generator().manual_seed(seeds[id(param)])
+            module._parameters[name] = nn.Parameter(_random_like(param, generator, STAND_IN_PARAMETER_STD),
+                                                    requires_grad=param.requires_grad)
+
+    def swap_back(module, _args, _output):
+        for name, param in saved.pop(module, []):
+            module._parameters[name] = param
+
+    holders = [m for m in model.modules() if any(p is not None and id(p) in seeds for p in m._parameters.values())]
+    handles = [h for m in holders for h in (m.register_forward_pre_hook(swap_in),
+                                            m.register_forward_hook(swap_back, always_call=True))]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 def _random_like(tensor: torch.Tensor, generator: torch.Generator, std: float = 1.0) -> torch.Tensor:
     local = _local(tensor)
     values = torch.randn(local.shape, generator=generator, dtype=torch.float32).mul_(std)

@@ -11,10 +11,12 @@ from typing import Any
 
 import torch
 import torch.nn as nn
+from torch.export.graph_signature import InputKind, TensorArgument
 from torch.utils import _pytree as pytree
 
 from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
 from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_aux_loss_call
+from .audit.cuts import cut_audit
 from .audit.local_length import find_local_length_reads
 from .batch import LayoutGuard
 from .capture import probe_forward, trace_region
@@ -86,6 +88,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     build_subgroups(mesh, overrides)
     tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
     example = example_inputs if example_inputs is not None else default_example(model)
+    refuse_example_without_positions(model, example)
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
     documents = DocumentFeed()
     if isinstance(example, dict):  # a packed example traces the regions that read documents for it
@@ -94,6 +97,7 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     # positions) and on no other: nothing here communicates, and the outcome is agreed once at the
     # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
     installs: list[InstalledRegion] = []
+    compared = 0  # values the cut audit compared
     signatures = {t.fqn: NOT_REACHED for t in targets}
     # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
     rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
@@ -109,6 +113,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
                 installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
                 signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
                 installs.append(installed)
+            compared = cut_audit(model, example, probe.tokens, {i.target.fqn: i.reads for i in installs},
+                                 {f.fqn for f in rotaries}, lambda: rope_state_kept(rotaries))
         failure = None
     except Exception as exc:  # noqa: BLE001 -- re-raised below, on every rank, once the group agreed
         failure = exc
@@ -116,7 +122,8 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     agree_on_outcome(mesh, "compiling the regions", fields, failure, CPInputError)
     for installed in installs:
         installed.agreed.add(installed.first_signature)
-    hazards = config_hazards(model, {i.target.fqn: i.declared for i in installs}, rotaries, probe.mixers_audited)
+    hazards = config_hazards(model, {i.target.fqn: i.declared for i in installs}, rotaries, probe.mixers_audited,
+                             compared)
     for hazard in hazards:
         log.info("cpcompile: %s", hazard.describe())
     if dump:
@@ -328,14 +335,43 @@ def check_mixers(probe) -> None:
             "rotary) pass this check")
 
 
+def refuse_example_without_positions(model: nn.Module, example: Any) -> None:
+    """A model taking `position_ids` is always called with them under CP (`batch.LayoutGuard`), and
+    without them it numbers each rank's tokens from 0: an example without them would be audited
+    (audit/cuts.py) and traced on a call that never happens."""
+    if not isinstance(example, dict) or example.get("position_ids") is not None:
+        return
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        raise CPInputError(
+            f"example_inputs has no position_ids, which {type(model).__name__} takes: a CP model is always called "
+            "with the global positions of its tokens (without them it would number each rank's slice from 0); pass "
+            "the local batch cpcompile.shard_batch returns as example_inputs")
+
+
 def default_example(model: nn.Module) -> dict:
+    """Token ids and their positions (a CP model is always called with them: `batch.LayoutGuard`)."""
     get_embeddings = getattr(model, "get_input_embeddings", None)
     if get_embeddings is None:
         raise CPInputError("pass example_inputs=: cpcompile can only make an example batch for Hugging Face models")
     embeddings = get_embeddings()
     ids = torch.randint(0, embeddings.num_embeddings, (1, PROBE_LENGTH), generator=torch.Generator().manual_seed(0))
     ids = ids.to(embeddings.weight.device)
-    return {"input_ids": ids, "use_cache": False}
+    example = {"input_ids": ids, "use_cache": False}
+    if "position_ids" in inspect.signature(model.forward).parameters:
+        example["position_ids"] = torch.arange(PROBE_LENGTH, device=ids.device)[None]
+    return example
+
+
+def inputs_read(ep: torch.export.ExportedProgram, args: tuple, kwargs: dict) -> dict[str, bool]:
+    """For each leaf of the traced call (by its pytree path): whether the graph reads it. A plain value
+    (an int, a flag) counts as read: the trace is specialised on it."""
+    paths = [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]]
+    placeholders = {n.name: n for n in ep.graph.nodes if n.op == "placeholder"}
+    user = [spec for spec in ep.graph_signature.input_specs if spec.kind == InputKind.USER_INPUT]
+    if len(user) != len(paths):
+        return {}
+    return {path: not isinstance(spec.arg, TensorArgument) or bool(placeholders[spec.arg.name].users)
+            for path, spec in zip(paths, user)}
 
 
 def declared_attention(region, target: Target) -> DeclaredAttention:
@@ -408,6 +444,8 @@ class InstalledRegion:
         # agrees must depend on what every rank saw, not on what this rank happens to cache
         self.agreed: set[tuple[str, ...]] = set()
         self.finite_guard = FiniteGuard(target.fqn, mesh)  # CPCOMPILE_CHECK_FINITE=1 (finite.py)
+        self.reads: dict[str, bool] = {}  # the first traced call's inputs (by path): does the graph read each
+
         args, kwargs = self._prepare(args, kwargs)
         # at compile the group agrees on every region's first signature and outcome at once (`compile`)
         self.first_signature = shared_signature(args, kwargs)
@@ -535,6 +573,8 @@ class InstalledRegion:
         self.retrace.note_trace(target.fqn, self.traces, describe_call(args, kwargs))
         with local_tp_view(self.tp_linears):  # a TP rank's local computation (tp.py)
             ep = trace_region(target.module, self.region.forward, args, kwargs)
+        if not self.reads:
+            self.reads = inputs_read(ep, args, kwargs)
         call_spec = pytree.tree_structure((tuple(args), dict(kwargs)))
         if ep.call_spec.in_spec != call_spec:
             raise RuntimeError(f"{target.fqn}: traced input structure {ep.call_spec.in_spec} differs from the call's {call_spec}")

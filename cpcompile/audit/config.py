@@ -10,7 +10,8 @@ the head of `summary.txt`), so a run says which rules applied to its model:
   global sequence, checked at every trace, else plain causal attention;
 - attention temperature tuning (Llama-4's NoPE layers): its `arange(length)` rewritten to global
   positions (`passes/local_length.py`, named in the regions' notes);
-- modules outside the regions audited for mixing positions (`audit/mixers.py`).
+- modules outside the regions audited for mixing positions (`audit/mixers.py`), and the code outside
+  the regions for numbering, shifting or mixing the local sequence (`audit/cuts.py`).
 """
 from __future__ import annotations
 
@@ -40,9 +41,10 @@ class Hazard:
         return asdict(self)
 
 
-def config_hazards(model, declared: dict, rotaries: list, mixers_audited: int | None) -> list[Hazard]:
+def config_hazards(model, declared: dict, rotaries: list, mixers_audited: int, cut_values: int) -> list[Hazard]:
     """`declared`: region FQN -> its `DeclaredAttention`; `rotaries`: the call-dependent rotary modules
-    (`rope.RotaryFinding`); `mixers_audited`: how many modules the mixer audit called (None: skipped)."""
+    (`rope.RotaryFinding`); `mixers_audited`: how many modules the mixer audit called again;
+    `cut_values`: how many values the cut audit compared (audit/cuts.py)."""
     hazards = []
     step_max = {f.fqn for f in rotaries}
     for fqn, module in model.named_modules():
@@ -67,9 +69,12 @@ def config_hazards(model, declared: dict, rotaries: list, mixers_audited: int | 
                               "arange(length) rewritten to the tokens' global positions (local_length_pass; the "
                               "regions' notes)"))
     hazards.append(Hazard(
-        "sequence mixers outside the regions", "none found" if mixers_audited is not None else "not audited",
-        "<model>", f"{mixers_audited} outermost module(s) called again with one token changed, none moved elsewhere"
-        if mixers_audited is not None else "the example batch has one token a row: compile with a longer one"))
+        "sequence mixers outside the regions", "none found", "<model>",
+        f"{mixers_audited} outermost module(s) called again with one token changed, none moved elsewhere"))
+    hazards.append(Hazard(
+        "code outside the regions on a cut of the sequence", "the same", "<model>",
+        f"{cut_values} region input(s) and model output(s) compared on two cuts of a window of the example "
+        "(audit/cuts.py): no local numbering, shift or mixing of the sequence"))
     return hazards
 
 

@@ -12,11 +12,13 @@ audit goes down through the modules it calls, the same way, to name the innermos
 `compile` refuses them all with one `CoverageError`.
 
 What the audit sees: floating-point inputs laid out batch-first, `[B, S_local, ...]`, or as
-flattened tokens `[B·S_local, ...]` — the hidden states of a Hugging Face model. Integer inputs
-(token and position ids, masks) are left as they are. Outputs without a token axis (an auxiliary
-loss) are not compared. Ops a module holding a region runs itself, outside any submodule, are not
-seen (a decoder layer that shifts tokens inline). At one local token there is no other position
-to watch: the audit is skipped and `compile` logs a warning (compile with a longer example).
+flattened tokens `[B·S_local, ...]`, where `B` and `S_local` are the local batch the first attention
+core sees (`audit/tokens.py`), whatever the example's inputs are named. Until that core runs, the
+calls of modules before it (embeddings) are kept and audited then. Integer inputs (token and
+position ids, masks) are left as they are. Outputs without a token axis (an auxiliary loss) are
+not compared. Ops a module holding a region runs itself, outside any submodule, and shifts of the
+token ids are not seen here: the cut audit (`audit/cuts.py`) watches those. At one local token
+there is no other position to watch: `compile` refuses the example (`CPInputError`).
 
 On a model compiled from the meta device (`meta_params.py`) the probe's hidden states are fake:
 a module the audit calls runs on seeded random stand-ins for its fake inputs and its own
@@ -25,7 +27,6 @@ weights show; a module reading another module's parameters is refused (`Unsuppor
 """
 from __future__ import annotations
 
-import logging
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -33,39 +34,15 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from ..errors import CPInputError
 from ..meta_params import is_fake, real_stand_ins, refuse_fake_output
-
-log = logging.getLogger("cpcompile")
+from .tokens import TokenBatch
 
 # A token of the output "moved" when it changed by more than this, relative to the output's largest
 # entry. A position-wise module leaves the other tokens bit for bit alone (an MoE regrouping its
 # tokens moves them by rounding, ~1e-7); a mixer moves its neighbours by O(1) of the perturbation.
 MOVED = 1e-5
 NOISE_SEED = 20240
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """The local batch's shape: `batch` rows of `length` tokens each."""
-
-    batch: int
-    length: int
-
-    def axis(self, tensor: torch.Tensor) -> int | None:
-        """The token axis of `tensor`: 1 for `[B, S, ...]`, 0 for flattened tokens `[B·S, ...]`; None
-        if it has neither layout."""
-        if tensor.dim() >= 2 and tensor.shape[0] == self.batch and tensor.shape[1] == self.length:
-            return 1
-        if tensor.dim() >= 1 and self.length > 1 and tensor.shape[0] == self.batch * self.length:
-            return 0
-        return None
-
-    def per_token(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        """`[B, S]`: the largest absolute entry of each token of `tensor` (token axis `axis`)."""
-        values = tensor.detach().abs().float()
-        if axis == 0:
-            values = values.reshape(self.batch, self.length, -1)
-        return values.reshape(self.batch, self.length, -1).amax(-1) if values.dim() > 2 else values
 
 
 @dataclass
@@ -86,8 +63,9 @@ class MixerAudit:
     outermost mixer, outermost first."""
 
     regions: frozenset[str]
-    tokens: TokenBatch
     names: dict[nn.Module, str]
+    tokens: TokenBatch | None = None  # known once the first core ran (`set_tokens`)
+    pending: list[tuple] = field(default_factory=list)  # calls ended before that, to audit then
     found: list[list[Mixer]] = field(default_factory=list)
     audited: set[str] = field(default_factory=set)
     stack: list[nn.Module] = field(default_factory=list)
@@ -107,7 +85,26 @@ class MixerAudit:
         caller = self.names.get(self.stack[-1]) if self.stack else None
         return caller is not None and not self.outside(caller)
 
+    def set_tokens(self, tokens: TokenBatch) -> None:
+        """The local batch, from the first attention core's call (the probe's recorders)."""
+        if self.tokens is not None:
+            return
+        if tokens.length < 2:
+            raise CPInputError(
+                f"the example batch has {tokens.length} local token a row: the audits of the model outside the CP "
+                "regions (sequence mixing, cuts of the sequence) need at least 2; compile with example_inputs of "
+                "the local length the model will be trained with")
+        self.tokens = tokens
+
+    def flush(self) -> None:
+        """Audit the calls that ended before the local batch was known."""
+        if self.tokens is None or self.rerunning:
+            return
+        while self.pending:
+            self.audit_call(*self.pending.pop(0))
+
     def before(self, module, _args, _kwargs):
+        self.flush()
         if not self.rerunning and self.is_candidate(module):
             self.rng[module] = rng_state()
         self.stack.append(module)
@@ -117,8 +114,15 @@ class MixerAudit:
         state = self.rng.pop(module, None)
         if state is None or self.rerunning:
             return
+        self.audited.add(self.names[module])
+        if self.tokens is None:
+            self.pending.append((module, args, kwargs, output, state))
+            return
+        self.flush()
+        self.audit_call(module, args, kwargs, output, state)
+
+    def audit_call(self, module, args, kwargs, output, state) -> None:
         fqn = self.names[module]
-        self.audited.add(fqn)
         self.rerunning = True
         try:
             chain = audit_module(module, fqn, args, kwargs, output, state, self.tokens)
@@ -133,40 +137,22 @@ class MixerAudit:
 
 
 @contextmanager
-def mixer_audit(model: nn.Module, regions: list[str], example):
+def mixer_audit(model: nn.Module, regions: list[str]):
     """Hooks on every module of `model` that audit the outermost modules outside `regions`
-    during one forward; yields the `MixerAudit` (None when the example is not a token batch of at
-    least two tokens a row, see the module docstring)."""
-    tokens = token_batch(example)
-    if tokens is None or tokens.length < 2:
-        if tokens is not None:
-            log.warning("cpcompile: the example batch has %d local token(s) a row: the audit for sequence-mixing "
-                        "modules outside the CP regions needs at least 2 and was skipped; compile with a longer "
-                        "example batch", tokens.length)
-        yield None
-        return
+    during one forward; yields the `MixerAudit`, whose `set_tokens` the probe calls at the first
+    attention core. After the forward, the calls still pending are audited."""
     names = {module: fqn for fqn, module in model.named_modules()}
-    audit = MixerAudit(frozenset(regions), tokens, names)
+    audit = MixerAudit(frozenset(regions), names)
     handles = []
     for module in names:
         handles.append(module.register_forward_pre_hook(audit.before, with_kwargs=True))
         handles.append(module.register_forward_hook(audit.after, with_kwargs=True))
     try:
         yield audit
+        audit.flush()
     finally:
         for handle in handles:
             handle.remove()
-
-
-def token_batch(example) -> TokenBatch | None:
-    """`[B, S_local]` of a Hugging Face style example batch (token ids or embeddings), else None."""
-    if not isinstance(example, dict):
-        return None
-    ids, embeds = example.get("input_ids"), example.get("inputs_embeds")
-    main = ids if isinstance(ids, torch.Tensor) else embeds if isinstance(embeds, torch.Tensor) else None
-    if main is None or main.dim() < 2:
-        return None
-    return TokenBatch(int(main.shape[0]), int(main.shape[1]))
 
 
 def rng_state() -> tuple:

@@ -111,7 +111,7 @@ def _errors(rank: int, world: int) -> dict:
 
     _fake_pg(0, 2)
     mesh = cpcompile.build_mesh(cpcompile.AcceleratorConfig(cp_size=2), device_type="cpu")
-    ids = {"input_ids": torch.randint(0, 96, (1, 16)), "use_cache": False}
+    ids = {"input_ids": torch.randint(0, 96, (1, 16)), "position_ids": torch.arange(16)[None], "use_cache": False}
     outcomes = {}
 
     def record(name, fn):

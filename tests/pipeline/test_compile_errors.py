@@ -25,7 +25,7 @@ def _all_checks(rank: int, world: int) -> dict:
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     mesh = cpcompile.build_mesh(cpcompile.load_plan(sdpa_plan(2)).accelerator, device_type="cpu")
-    local = {"input_ids": torch.randint(0, 96, (1, 8)), "use_cache": False}
+    local = {"input_ids": torch.randint(0, 96, (1, 8)), "position_ids": torch.arange(8)[None], "use_cache": False}
 
     def compile_with(plan, model=None, example=local):
         return cpcompile.compile(model or tiny_qwen3(0), mesh, plan, example_inputs=example)
@@ -52,7 +52,8 @@ def _all_checks(rank: int, world: int) -> dict:
         model = Qwen3ForCausalLM(config)
         batch = random_batch(0, 2, 8, padded=True)
         compile_with(sdpa_plan(2), model=model, example={"input_ids": batch["input_ids"],
-                                                          "attention_mask": batch["attention_mask"], "use_cache": False})
+                                                          "attention_mask": batch["attention_mask"],
+                                                          "position_ids": torch.arange(8)[None], "use_cache": False})
 
     def eager_attention():
         model = tiny_qwen3(0)
@@ -91,6 +92,9 @@ def _all_checks(rank: int, world: int) -> dict:
         "eager_attention": eager_attention,
         "cross_lengths": cross_lengths,
         "not_hf_without_example": not_hf_without_example,
+        "example_without_positions": lambda: compile_with(sdpa_plan(2), example={"input_ids": local["input_ids"]}),
+        "one_token_example": lambda: compile_with(sdpa_plan(2), example={"input_ids": local["input_ids"][:, :1],
+                                                                         "position_ids": torch.arange(1)[None]}),
     }
     results = {name: outcome_of(fn) for name, fn in checks.items()}
 
@@ -131,6 +135,8 @@ def outcome(name):
                                           'attn_implementation="sdpa"']),
     ("cross_lengths", "CPInputError", ["4 queries but 6 keys"]),
     ("not_hf_without_example", "CPInputError", ["example_inputs"]),
+    ("example_without_positions", "CPInputError", ["no position_ids", "Qwen3ForCausalLM", "shard_batch"]),
+    ("one_token_example", "CPInputError", ["1 local token a row", "at least 2", "example_inputs"]),
 ])
 def test_fail_fast_rule(name, error, words):
     assert_fails_with(name, outcome(name), error, words)

@@ -21,7 +21,7 @@ def _compile_into(rank: int, world: int, dump_dir: str):
     plan = cpcompile.load_plan(sdpa_plan(2))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     model = tiny_qwen3(0)
-    local = {"input_ids": torch.randint(0, 96, (1, 8)), "use_cache": False}
+    local = {"input_ids": torch.randint(0, 96, (1, 8)), "position_ids": torch.arange(8)[None], "use_cache": False}
     outcome = outcome_of(lambda: cpcompile.compile(model, mesh, plan, example_inputs=local, dump_dir=dump_dir))
     untouched = all("forward" not in vars(m) for m in model.modules())
     dist.destroy_process_group()

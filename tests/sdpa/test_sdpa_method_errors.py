@@ -35,7 +35,8 @@ def _all_checks(rank: int, world: int) -> dict:
     def compile_with(cp, wrapper, q_heads=4, kv_heads=2, length=8):
         plan = cpcompile.load_plan(_plan(cp, wrapper))
         mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
-        local = {"input_ids": torch.randint(0, 96, (1, length)), "use_cache": False}
+        local = {"input_ids": torch.randint(0, 96, (1, length)), "position_ids": torch.arange(length)[None],
+                 "use_cache": False}
         cpcompile.compile(qwen3_with_heads(0, q_heads, kv_heads), mesh, plan, example_inputs=local)
 
     checks = {
