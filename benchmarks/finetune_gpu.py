@@ -2,7 +2,7 @@
 trainer_gpu.py saved as a local Hugging Face folder (random weights: nothing can be downloaded),
 loaded by `model.path`, fine-tuned on chat data with packing, exported, and read back by transformers.
 
-    python3 benchmarks/finetune_gpu.py [--steps 20 --seq-len 32768 --out FILE]
+    python3 benchmarks/finetune_gpu.py [--steps 20 --seq-len 32768 --out FILE] [--profile]
     python3 benchmarks/finetune_gpu.py --small --device cpu --steps 2 --seq-len 256     # smoke run
 
 Steps: (1) build the model from its config, `save_pretrained` it in bfloat16 (as checkpoints are
@@ -14,7 +14,8 @@ core, `checkpoint.export: true`); (4) `from_pretrained` on the export and on the
 (gathered from the run), the logits of both on one row in float32, their largest difference.
 Timed: the load (`weights.load_pretrained`), its peak host memory (RSS above the RSS before it,
 sampled every millisecond by load_memory.py's meter), each step, the export. A results table goes
-to `--out` (default: benchmarks/results/finetune_gpu_<date>_<device>.md).
+to `--out` (default: benchmarks/results/finetune_gpu_<date>_<device>.md). `--profile`: the last step
+under PyTorch's profiler, its ops by device time printed (step_profile.py).
 """
 from __future__ import annotations
 
@@ -79,7 +80,26 @@ def train_config(args, folder: str, data: str, checkpoints: str) -> dict:
             "accelerator": {"cp_size": 1}}
 
 
-def timed_training(config: dict):
+def profiled_last_step(trainer, steps: int, device: str):
+    """`trainer` with its last step run under the profiler; the kernel table printed after it."""
+    from step_profile import kernel_table
+
+    step = trainer.step
+
+    def step_maybe_profiled(index, *args, **kwargs):
+        if index != steps - 1:
+            return step(index, *args, **kwargs)
+        tables: list[str] = []
+        with kernel_table(device, tables):
+            record = step(index, *args, **kwargs)
+        print(f"profile of step {index + 1}:\n{tables[0]}", flush=True)
+        return record
+
+    trainer.step = step_maybe_profiled
+    return trainer
+
+
+def timed_training(config: dict, profile: bool = False):
     """Run the training; -> (records, the trainer, load seconds, load peak RSS above its start, export seconds)."""
     from cpcompile.trainer import load_train_config, loop
     from load_memory import MIB, Meter
@@ -103,7 +123,9 @@ def timed_training(config: dict):
         timings["export_s"] = time.perf_counter() - start
 
     loop.load_pretrained, loop.export_from_ranks = timed_load, timed_export
-    loop.build_trainer = lambda *a, **k: built.append(build(*a, **k)) or built[-1]
+    steps, device = config["train"]["steps"], config["train"]["device"]
+    made = (lambda *a, **k: profiled_last_step(build(*a, **k), steps, device)) if profile else build
+    loop.build_trainer = lambda *a, **k: built.append(made(*a, **k)) or built[-1]
     try:
         records = loop.train(load_train_config(config), log=lambda line: print(line, flush=True))
     finally:
@@ -141,6 +163,7 @@ def main() -> None:
     parser.add_argument("--logit-tokens", type=int, default=512)
     parser.add_argument("--work", default=None, help="folder for the checkpoint, data and run (default: a temp dir)")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile", action="store_true", help="profile the last step; print its ops by device time")
     args = parser.parse_args()
 
     import torch
@@ -156,7 +179,7 @@ def main() -> None:
     size_gib = save_checkpoint(folder, keys)
     save_s = time.perf_counter() - start
     write_conversations(data, count=max(200, args.steps * args.seq_len // 150))
-    records, trainer, t = timed_training(train_config(args, folder, data, checkpoints))
+    records, trainer, t = timed_training(train_config(args, folder, data, checkpoints), args.profile)
     exported = os.path.join(checkpoints, "hf")
     diff, scale = logits_difference(trainer, exported, folder, args.device, args.logit_tokens)
     timed = records[1:] or records
