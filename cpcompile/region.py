@@ -59,8 +59,16 @@ def leaf_key(leaf: Any) -> tuple | None:
     if isinstance(leaf, torch.Tensor):
         return "tensor", tuple(leaf.shape), leaf.dtype, leaf.device
     if isinstance(leaf, PLAIN_VALUES):
-        return type(leaf).__name__, leaf
+        return type_name(type(leaf)), leaf
     return None
+
+
+@torch.compiler.assume_constant_result
+def type_name(kind: type) -> str:
+    """`kind.__name__`, which Dynamo takes as a constant here: torch 2.11's Dynamo cannot hash a
+    type's `__name__` read in traced code, and a region's key holds them (a graph break there,
+    inside a checkpointed layer, ran every compiled CP layer eagerly)."""
+    return kind.__name__
 
 
 def call_structure(tree: Any) -> Any:
@@ -68,10 +76,10 @@ def call_structure(tree: Any) -> Any:
     lists and dicts (with their keys), the type's name for anything else (a leaf, or a container
     type registered with pytree, whose leaves the key describes one by one)."""
     if isinstance(tree, (tuple, list)):
-        return type(tree).__name__, tuple(call_structure(child) for child in tree)
+        return type_name(type(tree)), tuple(call_structure(child) for child in tree)
     if isinstance(tree, dict):
-        return type(tree).__name__, tuple((name, call_structure(child)) for name, child in tree.items())
-    return type(tree).__name__
+        return type_name(type(tree)), tuple((name, call_structure(child)) for name, child in tree.items())
+    return type_name(type(tree))
 
 
 def autocast_state(leaves: list[Any]) -> tuple:
