@@ -169,7 +169,12 @@ def run_row(args, spec: dict, train_config_for) -> dict:
         trainer = build_trainer(config)
         row["estimate_gib"] = memory_estimate(config, parameter_count(trainer.model), trainer.model.config,
                                               rank=spec["rank"])["total"]
-        phase, counted, sent, seconds = "warm-up", counted_step(args.warmup), CollectiveBytes(), []
+        # A dispatch mode cannot watch compiled code, and one active at the first compiled call makes
+        # Dynamo leave the layers eager for good: with compiled layers the bytes are counted in one
+        # step more, run eagerly (the same collectives), after the measured ones.
+        compiled = config.train.layer_compile_backend(spec["cp"]) is not None
+        phase, sent, seconds = "warm-up", CollectiveBytes(), []
+        counted = None if compiled else counted_step(args.warmup)
         for index in range(args.warmup + args.steps):
             if index == args.warmup:
                 phase = "measured steps"
@@ -181,6 +186,10 @@ def run_row(args, spec: dict, train_config_for) -> dict:
             if index >= args.warmup:
                 seconds.append(record["seconds"])
         peak = peak_memory_gib(args.device)
+        if compiled:
+            phase = "counted step"
+            with torch.compiler.set_stance("force_eager"), sent:
+                trainer.step(args.warmup + args.steps)
         if args.profile:  # one step more, not measured: the profiler slows it
             phase, tables = "profiled step", []
             with kernel_table(args.device, tables):

@@ -200,8 +200,9 @@ def simulate(args, parser) -> None:
         from cpcompile.trainer import load_train_config
 
         def train_config_for(child_args, sdpa_wrapper):
-            # the run's LR schedule covers the warm-up, the measured steps and a profiled one
-            steps = child_args.warmup + child_args.steps + int(child_args.profile)
+            # the run's LR schedule covers the warm-up, the measured steps and one more (profiled, or
+            # counting the bytes of compiled layers: simulate_cp.run_row)
+            steps = child_args.warmup + child_args.steps + 1
             scheduled = argparse.Namespace(**{**vars(child_args), "steps": steps})
             return load_train_config(config(scheduled, scheduled.loss, ac_setting(scheduled.ac), sdpa_wrapper))
 
