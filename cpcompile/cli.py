@@ -146,12 +146,15 @@ def _launch(args, argv: list[str]) -> int:
     """`--nproc-per-node`: check the config and what a run checks before building, here, then
     start the workers (launch.py); -> their exit status."""
     from .launch import check_launch, run_workers, worker_argv
+    from .trainer.lock import check_free
     from .trainer.startup import check_before_building
 
     config = _config(args)
     check_launch(args.nproc_per_node, config.plan.accelerator.world_size)
     if args.command == "train":
         check_before_building(config)
+        if config.checkpoint.folder is not None:
+            check_free(config.checkpoint.folder)  # another job there: said before any worker starts
     return run_workers(args.nproc_per_node, worker_argv(argv), quiet=not args.debug)
 
 

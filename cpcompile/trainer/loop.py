@@ -14,6 +14,7 @@ backend).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -34,7 +35,7 @@ from ..mesh import build_mesh
 from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
-from . import checkpoint, memory, resume_settings
+from . import checkpoint, lock, memory, resume_settings
 from .config import TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
@@ -289,7 +290,16 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
         latest = check_before_building(config)
-        return _train(config, log, stop_after, progress, latest)
+        with _folder_lock(config, log):
+            return _train(config, log, stop_after, progress, latest)
+
+
+def _folder_lock(config: TrainConfig, log: Callable[[str], None]):
+    """Global rank 0 holds the checkpoint folder's lock for the run (lock.py); the others, and a
+    run without a folder, hold nothing."""
+    folder = config.checkpoint.folder
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return lock.holding(folder, log) if folder is not None and rank == 0 else contextlib.nullcontext()
 
 
 def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress,

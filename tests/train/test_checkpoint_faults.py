@@ -145,6 +145,42 @@ def test_a_read_only_filesystem_is_found_from_the_folder(tmp_path, monkeypatch):
     assert line == f"read-only filesystem: {tmp_path} cannot be written", line
 
 
+# --------------------------------------------------------------------------- the folder's lock
+
+
+def test_a_second_job_is_refused_naming_the_first(tmp_path):
+    """Held by this process (global rank 0 of a running job): the launcher's check and a second
+    holder are both refused, naming the holder's pid; released, the folder is free again."""
+    from cpcompile.errors import PlanError
+    from cpcompile.trainer import lock
+
+    with lock.holding(str(tmp_path), log=print):
+        for attempt in (lambda: lock.check_free(str(tmp_path)), lambda: lock.holding(str(tmp_path), print).__enter__()):
+            with pytest.raises(PlanError) as info:
+                attempt()
+            assert info.value.field == "checkpoint.folder", info.value
+            assert f"is in use by another job (pid {os.getpid()} on host " in info.value.reason, info.value
+    assert not os.path.exists(lock.lock_path(str(tmp_path)))
+    lock.check_free(str(tmp_path))
+
+
+def test_a_stale_lock_is_named_and_taken_over(tmp_path):
+    """A lock file naming a job whose lock is free (its process ended without removing it: the
+    kernel dropped its flock): the next job says whose it was, and holds it."""
+    from cpcompile.trainer import lock
+
+    stale = {"pid": 424242, "host": "gone", "started": "2026-12-06T01:02:03", "command": "cpcompile train a.yaml"}
+    with open(lock.lock_path(str(tmp_path)), "w", encoding="utf-8") as handle:
+        json.dump(stale, handle)
+    lock.check_free(str(tmp_path))  # a stale lock does not stop a launch
+    lines: list = []
+    with lock.holding(str(tmp_path), log=lines.append):
+        with open(lock.lock_path(str(tmp_path)), encoding="utf-8") as handle:
+            assert json.load(handle)["pid"] == os.getpid()
+    assert len(lines) == 1 and "took over the stale lock" in lines[0], lines
+    assert "pid 424242 on host gone, started 2026-12-06T01:02:03" in lines[0], lines
+
+
 # --------------------------------------------------------------------------- metrics after a resume
 
 
