@@ -138,7 +138,9 @@ def save(folder: str, step: int, model, optimizer, scheduler, facts: dict, refer
     states = {"": trainer_state(model, optimizer, scheduler)}
     for name, (copy, copy_optimizer, copy_scheduler) in (references or {}).items():
         states[reference_folder(name)] = trainer_state(copy, copy_optimizer, copy_scheduler)
-    needed = sum(state_bytes(state) for state in states.values())
+    # what a save writes: the last one's files when there is one (they hold the serialisation's
+    # overhead, the index, the RNG states), else the tensors' bytes
+    needed = max(sum(state_bytes(state) for state in states.values()), _folder_bytes(folder, latest_step(folder)))
 
     def describe(exc: BaseException) -> str:
         return save_errors.describe(exc, partial, needed)
@@ -157,12 +159,20 @@ def save(folder: str, step: int, model, optimizer, scheduler, facts: dict, refer
     except (Exception, CheckpointException) as exc:
         if isinstance(exc, Exception) and not isinstance(exc, CheckpointError) and is_collective_failure(exc):
             raise  # a rank stuck or gone: the run's collective report names it (progress.py)
+        cause = str(exc) if isinstance(exc, CheckpointError) else describe(exc)  # the room left, before cleaning up
         if dist.get_rank() == 0:
             shutil.rmtree(partial, ignore_errors=True)
-        cause = str(exc) if isinstance(exc, CheckpointError) else describe(exc)
         raise CheckpointError(f"checkpoint.folder: saving step {step} failed: {cause}; "
                               f"{_what_is_left(folder)}") from None
     return final
+
+
+def _folder_bytes(folder: str, step: int | None) -> int:
+    """The bytes of the files of checkpoint `step` in `folder` (0 for none)."""
+    if step is None:
+        return 0
+    path = step_folder(folder, step)
+    return sum(checksums.file_size(os.path.join(path, name)) for name in checksums.checkpoint_files(path))
 
 
 def _clear_unfinished_saves(folder: str) -> None:

@@ -28,6 +28,13 @@ def file_checksum(path: str) -> str:
     return f"{crc:08x}"
 
 
+def file_size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
+
+
 def checkpoint_files(folder: str) -> list[str]:
     """Every file under `folder` but trainer.json, as sorted paths relative to it."""
     found = []
