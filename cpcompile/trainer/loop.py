@@ -42,7 +42,6 @@ from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunk
 from .export import export_folder, export_from_ranks
 from .metrics import MetricsLog, check_finite, peak_memory_gib, relative, summary, warmup_steps
 from .progress import Progress
-from .rank_board import enable_collective_trace
 from .sdpa_backend import only_sdpa_backend
 from .startup import check_before_building
 from .weights import load_pretrained, materialize
@@ -220,7 +219,6 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     progress = progress or Progress(settings.collective_timeout_s)
     check_world_size(config.plan)
     progress.at("start")
-    enable_collective_trace()  # before the first collective: a failed one is named from the trace
     mesh = build_mesh(config.plan.accelerator, device_type=settings.device,
                       timeout=datetime.timedelta(seconds=settings.collective_timeout_s))
     progress.attach_board()

@@ -17,18 +17,18 @@ cannot hang on the store (under torchrun the store lives in the launcher's agent
 any worker; without torchrun, in rank 0's process). A board that cannot be reached leaves the
 report without names, and says so.
 
-The collective is the reporting rank's last one, read from PyTorch's Flight Recorder
-(`TORCH_FR_BUFFER_SIZE`, which `enable_collective_trace` sets before the first collective when the
-user has not): its name (`gloo:all_gather`), its process group's description and its number in
-that group. With asynchronous collectives (FSDP2's prefetch, the CP regions' functional ones) the
-last one launched is not always the one waited on; the report calls it the last launched.
+The collective is the reporting rank's last one, read from PyTorch's Flight Recorder (on by
+default in torch 2.13, 2000 entries, gloo included; `TORCH_FR_BUFFER_SIZE=0` turns it off, and the
+report then names no collective): its name (`gloo:all_gather`), its process group's description
+and its number in that group. With asynchronous collectives (FSDP2's prefetch, the CP regions'
+functional ones) the last one launched is not always the one waited on; the report calls it the
+last launched.
 """
 from __future__ import annotations
 
 import datetime
 import itertools
 import json
-import os
 import time
 
 import torch
@@ -37,13 +37,7 @@ import torch.distributed as dist
 ARRIVAL_GRACE_S = 2.0  # how long a failed rank waits for the live ranks to say they arrived
 REPORT_MARGIN_S = 0.5  # after the first rank concluded: its line written before this rank ends
 STORE_TIMEOUT_S = 5.0  # the board's own store operations, never the job's collective timeout
-TRACE_ENTRIES = "256"  # Flight Recorder entries kept per process (a ring buffer)
 _boards = itertools.count()  # one prefix per board: several runs may share a process group (tests)
-
-
-def enable_collective_trace() -> None:
-    """Have PyTorch's Flight Recorder keep the last collectives, unless the user chose a size."""
-    os.environ.setdefault("TORCH_FR_BUFFER_SIZE", TRACE_ENTRIES)
 
 
 class RankBoard:
