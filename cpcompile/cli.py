@@ -29,7 +29,7 @@ import sys
 
 from .dump import inspect
 from .errors import CPCompileError, VerificationError
-from .worker_lifetime import LAUNCHER_PID, end_with_launcher, is_launched_worker
+from .worker_lifetime import end_with_launcher
 
 # What is reported in one line; anything else is a bug, and keeps its traceback.
 REPORTED = (CPCompileError, OSError)
@@ -149,11 +149,15 @@ def report(command: str, exc: BaseException) -> int:
 
 def interrupted(command: str) -> int:
     """Ctrl-C (SIGINT): one line, from rank 0, exit status 130, no traceback. A worker of
-    cpcompile's launcher (which says the line) ends at once, quietly: the interpreter's teardown
-    would print PyTorch's warning about the collective the worker was in (its `finally` blocks,
-    the checkpoint folder's lock among them, have run by now)."""
+    cpcompile's launcher hands its line to the launcher (which prints its own when the SIGINT
+    was the launcher's, forwarded) and ends at once, quietly: the interpreter's teardown would
+    print PyTorch's warning about the collective the worker was in (its `finally` blocks, the
+    checkpoint folder's lock among them, have run by now)."""
+    from .launch import write_worker_report
+
     status = 128 + int(signal.SIGINT)
-    if LAUNCHER_PID in os.environ and is_launched_worker():
+    line = f"cpcompile {command}: error: rank {os.environ.get('RANK', '0')} was interrupted by SIGINT"
+    if write_worker_report(line, status, consequence=False):
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(status)

@@ -26,14 +26,15 @@ import threading
 import time
 
 LAUNCHER_PID = "CPCOMPILE_LAUNCHER_PID"
-WORKER_MARKERS = ("TORCHELASTIC_RUN_ID", LAUNCHER_PID)  # set in the processes a launcher starts
+TORCHRUN_WORKER = "TORCHELASTIC_RUN_ID"  # set in every process torchrun's agent starts
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 WATCH_INTERVAL_S = 1.0
 
 
 def is_launched_worker() -> bool:
-    """This process was started by a launcher (torchrun, or cpcompile's own) and is not it."""
-    return any(name in os.environ for name in WORKER_MARKERS) and os.environ.get(LAUNCHER_PID) != str(os.getpid())
+    """This process is a worker torchrun started (under cpcompile's launcher or not), not the
+    launcher itself."""
+    return TORCHRUN_WORKER in os.environ and os.environ.get(LAUNCHER_PID) != str(os.getpid())
 
 
 def end_with_launcher() -> str | None:

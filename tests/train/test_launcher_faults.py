@@ -85,10 +85,13 @@ def test_a_worker_ends_when_its_launcher_is_killed():
 def test_outside_a_launcher_nothing_is_asked():
     from cpcompile import worker_lifetime
 
-    saved = {name: os.environ.pop(name) for name in worker_lifetime.WORKER_MARKERS if name in os.environ}
+    names = (worker_lifetime.TORCHRUN_WORKER, worker_lifetime.LAUNCHER_PID)
+    saved = {name: os.environ.pop(name) for name in names if name in os.environ}
+    os.environ[worker_lifetime.LAUNCHER_PID] = "1"  # left in a shell's environment: not a worker without torchrun's
     try:
         assert worker_lifetime.end_with_launcher() is None
     finally:
+        os.environ.pop(worker_lifetime.LAUNCHER_PID)
         os.environ.update(saved)
 
 
@@ -120,6 +123,9 @@ def _report(line: str, consequence: bool, at: float, status: int = 2) -> dict:
     ({0: _failure(0, 2, _report("disk full (rank 0)", False, 3.5)), 1: _failure(1, 2, _report("disk full", False, 3.0)),
       2: _failure(2, 2, _report("rank 1 left", True, 2.0))}, None, "disk full", 2),
     ({0: _failure(0, 1, _report("FAIL: train.verify", False, 1.0, status=1))}, {0}, "FAIL: train.verify", 1),
+    # a worker sent SIGINT by hand (not through the launcher): said, not a silent 130
+    ({1: _failure(1, 130, _report("rank 1 was interrupted by SIGINT", False, 1.0, status=130)), 0: _failure(0, -15)},
+     {1}, "rank 1 was interrupted by SIGINT", 130),
 ])
 def test_the_summary_names_the_failure_that_ended_the_job(capsys, failures, first_failed, line, status):
     from cpcompile.launch import _status_of
