@@ -138,11 +138,10 @@ def save(folder: str, step: int, model, optimizer, scheduler, facts: dict, refer
     states = {"": trainer_state(model, optimizer, scheduler)}
     for name, (copy, copy_optimizer, copy_scheduler) in (references or {}).items():
         states[reference_folder(name)] = trainer_state(copy, copy_optimizer, copy_scheduler)
-    # what a save writes: the last one's files when there is one (they hold the serialisation's
-    # overhead, the index, the RNG states), else the tensors' bytes
-    needed = max(sum(state_bytes(state) for state in states.values()), _folder_bytes(folder, latest_step(folder)))
-
     def describe(exc: BaseException) -> str:
+        # what a save writes: the last one's files when there is one (they hold the serialisation's
+        # overhead, the index, the RNG states), else the tensors' bytes
+        needed = max(sum(state_bytes(state) for state in states.values()), _folder_bytes(folder, latest_step(folder)))
         return save_errors.describe(exc, partial, needed)
 
     try:

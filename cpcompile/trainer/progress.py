@@ -31,7 +31,7 @@ SOURCE_LOCATION = re.compile(r"^\[[^\]]*\]\s*")  # gloo's "[.../unbound_buffer.c
 class CollectiveError(CPCompileError, RuntimeError):
     """A collective failed (timed out, or a peer left the job): the message names the step and
     phase, and where the board could tell, the ranks that did not arrive and the collective.
-    `reports`: this rank is the one to print it (the first rank to conclude, on the board)."""
+    `reports`: this rank is the one to print it (the first rank whose collective failed)."""
 
     def __init__(self, message: str, reports: bool = True):
         super().__init__(message)

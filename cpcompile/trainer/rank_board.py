@@ -125,7 +125,7 @@ class RankBoard:
 
 def last_collective() -> str | None:
     """This process's last collective launched, from the Flight Recorder: `gloo:all_gather in
-    group cp (#12)`; None when it recorded none."""
+    mesh_cp (#12 there)`; None when it recorded none."""
     try:
         trace = json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, True))
     except Exception:  # noqa: BLE001 - no recorder in this build, or nothing recorded

@@ -145,6 +145,28 @@ def test_a_read_only_filesystem_is_found_from_the_folder(tmp_path, monkeypatch):
     assert line == f"read-only filesystem: {tmp_path} cannot be written", line
 
 
+def test_a_checkpoint_file_that_cannot_be_read_is_named_with_its_reason(tmp_path, monkeypatch):
+    """At load every file is read for its checksum: one it may not read is named, with the reason
+    (as root permissions do not bite, so the read is refused here on purpose)."""
+    import builtins
+
+    from cpcompile.trainer import checksums
+
+    (tmp_path / "__0_0.distcp").write_bytes(b"weights")
+    recorded = checksums.file_checksum(str(tmp_path / "__0_0.distcp"))
+    assert checksums.mismatch(str(tmp_path), "__0_0.distcp", recorded) is None
+    real = builtins.open
+
+    def forbidden(path, *args, **kwargs):
+        if str(path).endswith(".distcp"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", forbidden)
+    line = checksums.mismatch(str(tmp_path), "__0_0.distcp", recorded)
+    assert line == f"checkpoint {tmp_path}/__0_0.distcp cannot be read (Permission denied)", line
+
+
 # --------------------------------------------------------------------------- the folder's lock
 
 
