@@ -11,20 +11,25 @@ checking the config; `torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml
 workers under torchrun.
 
 An error cpcompile raises for the user (a `CPCompileError`: a config field, a plan that does not
-fit the job, a verify run that missed its tolerance, a collective that timed out) or a file it
-cannot read is one line on stderr from rank 0 — `cpcompile train: error: <field>: <reason>`, or
-`FAIL: ...` for verify — and exit status 2 (1 for FAIL); the other ranks stay quiet. `--debug`
-raises it with its traceback instead. With `--nproc-per-node` that line is all and the exit
-status is the worker's; under torchrun, torchrun adds its own report and exits 1.
+fit the job, a verify run that missed its tolerance, a checkpoint that could not be saved, a
+collective that timed out) or a file it cannot read is one line on stderr from rank 0 —
+`cpcompile train: error: <field>: <reason>`, or `FAIL: ...` for verify — and exit status 2 (1 for
+FAIL); the other ranks stay quiet. A failed collective is said by the first rank whose collective
+failed (a stuck rank 0 says nothing). `--debug` raises it with its traceback instead. With
+`--nproc-per-node` the workers hand their line to the launcher, which prints the one of the
+failure that ended the job and exits with that worker's status (launch.py); under torchrun,
+torchrun adds its own report and exits 1. Ctrl-C is one line too (exit status 130).
 """
 from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
 
 from .dump import inspect
 from .errors import CPCompileError, VerificationError
+from .worker_lifetime import end_with_launcher
 
 # What is reported in one line; anything else is a bug, and keeps its traceback.
 REPORTED = (CPCompileError, OSError)
@@ -39,6 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "nproc_per_node", None) is not None:
             return _launch(args, argv)
+        end_with_launcher()  # a worker whose launcher is killed outright must not train on
         if args.command == "inspect":
             print(inspect(args.dump_dir), end="")
             return 0
@@ -53,6 +59,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         return report(args.command, exc)
+    except KeyboardInterrupt:
+        if args.debug:
+            raise
+        return interrupted(args.command)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -120,12 +130,40 @@ def _export(args) -> int:
 
 
 def report(command: str, exc: BaseException) -> int:
-    """One line on stderr from rank 0 (torchrun's RANK; 0 without torchrun); the exit status."""
-    if int(os.environ.get("RANK", "0")) == 0:
-        text = " ".join(str(exc).split()) or type(exc).__name__
-        line = f"FAIL: {text}" if isinstance(exc, VerificationError) else f"cpcompile {command}: error: {text}"
+    """One line on stderr, the exit status. From rank 0 (torchrun's RANK; 0 without torchrun),
+    except a failed collective, which the first rank to conclude prints (`CollectiveError.reports`:
+    a stuck rank 0 prints nothing); under cpcompile's own launcher, into the worker's error file
+    instead, and the launcher prints the line of the failure that ended the job (launch.py)."""
+    from .launch import write_worker_report
+
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    line = f"FAIL: {text}" if isinstance(exc, VerificationError) else f"cpcompile {command}: error: {text}"
+    status = 1 if isinstance(exc, VerificationError) else 2
+    reports = getattr(exc, "reports", None)  # a CollectiveError's: whether this rank is the one to print it
+    if write_worker_report(line, status, consequence=reports is not None):
+        return status
+    if reports if reports is not None else int(os.environ.get("RANK", "0")) == 0:
         print(line, file=sys.stderr, flush=True)
-    return 1 if isinstance(exc, VerificationError) else 2
+    return status
+
+
+def interrupted(command: str) -> int:
+    """Ctrl-C (SIGINT): one line, from rank 0, exit status 130, no traceback. A worker of
+    cpcompile's launcher hands its line to the launcher (which prints its own when the SIGINT
+    was the launcher's, forwarded) and ends at once, quietly: the interpreter's teardown would
+    print PyTorch's warning about the collective the worker was in (its `finally` blocks, the
+    checkpoint folder's lock among them, have run by now)."""
+    from .launch import write_worker_report
+
+    status = 128 + int(signal.SIGINT)
+    line = f"cpcompile {command}: error: rank {os.environ.get('RANK', '0')} was interrupted by SIGINT"
+    if write_worker_report(line, status, consequence=False):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"cpcompile {command}: interrupted by SIGINT", file=sys.stderr, flush=True)
+    return status
 
 
 def _config(args):
@@ -146,13 +184,27 @@ def _launch(args, argv: list[str]) -> int:
     """`--nproc-per-node`: check the config and what a run checks before building, here, then
     start the workers (launch.py); -> their exit status."""
     from .launch import check_launch, run_workers, worker_argv
+    from .trainer.lock import check_free
     from .trainer.startup import check_before_building
 
     config = _config(args)
     check_launch(args.nproc_per_node, config.plan.accelerator.world_size)
     if args.command == "train":
         check_before_building(config)
-    return run_workers(args.nproc_per_node, worker_argv(argv), quiet=not args.debug)
+        if config.checkpoint.folder is not None:
+            check_free(config.checkpoint.folder)  # another job there: said before any worker starts
+    after_stop = (lambda: _where_to_resume(config.checkpoint.folder)) if args.command == "train" else None
+    return run_workers(args.nproc_per_node, worker_argv(argv), quiet=not args.debug, after_stop=after_stop)
+
+
+def _where_to_resume(folder: str | None) -> str:
+    """What a stopped run leaves: the checkpoint a resume starts from, if any."""
+    from .trainer.checkpoint import latest_step, step_folder
+
+    latest = latest_step(folder)
+    if latest is None:
+        return "no checkpoint to resume from" if folder else "nothing was saved (no checkpoint.folder)"
+    return f"a resume starts from {step_folder(folder, latest)}"
 
 
 def _run(args) -> int:

@@ -15,6 +15,7 @@ Each class also derives from the builtin a caller would catch for it, so `except
 | `GDNCapabilityError` | RuntimeError | the Triton GDN backend cannot run here; `capability` names what is missing |
 | `VerificationError` | RuntimeError | a CP run differs from its reference beyond its tolerance (`train` with `verify: true`) |
 | `MissingDependencyError` | ImportError | a package a feature needs is not installed; the message names the pip extra |
+| `CheckpointError` | RuntimeError | a checkpoint could not be saved (disk full, read-only, no permission: the message names the cause) or its files are not what the save wrote |
 | `NonFiniteError` | FloatingPointError | a step's loss or gradient norm is NaN or Inf (`cpcompile train`), or, with `CPCOMPILE_CHECK_FINITE=1`, a region's output or input gradient (`finite.py`) |
 
 Internal invariants (a pass that broke a graph) stay `AssertionError` / `RuntimeError`, and a
@@ -123,3 +124,9 @@ class NonFiniteError(CPCompileError, FloatingPointError):
     """A value training computed is NaN or Inf: a step's loss or gradient norm (the trainer stops
     there), or, with ``CPCOMPILE_CHECK_FINITE=1``, a CP region's output or input gradient. The
     message names the step, and the region where there is one."""
+
+
+class CheckpointError(CPCompileError, RuntimeError):
+    """A checkpoint could not be saved or read back: the message names the cause (disk full and
+    how much was needed, a read-only folder, a permission, a damaged or foreign file) and what
+    is left to resume from."""

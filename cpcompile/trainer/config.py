@@ -92,6 +92,10 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
       folder: null              # DCP checkpoints: <folder>/step-<n>
       interval: 0               # save every `interval` steps (and after the last step run)
       resume: true              # start from the latest checkpoint in the folder, when there is one
+      allow_changes: []         # fields a resume may change on purpose (e.g. [train.seq_len] for a
+                                # curriculum); any other change of the data, seq_len, batch_size,
+                                # seed, dtype, optimizer, schedule or model section is refused
+                                # (trainer/resume_settings.py lists them)
       export: false             # at the end, write the last checkpoint as a Hugging Face folder to
                                 # <folder>/hf (as `cpcompile export` does: trainer/export.py)
 
@@ -118,6 +122,7 @@ from ..errors import MissingDependencyError, PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
 from .checkpointing import ACMode, check_layer_count, parse_ac_mode
 from .records import check_parquet_file, is_parquet
+from .resume_settings import FIELDS as TRAJECTORY_FIELDS
 from .sdpa_backend import SDPA_BACKENDS
 from .tokenizer import check_tokenizer_folder, tokenizer_for
 from .weights import WEIGHTS_CHOICES, weights_files
@@ -311,6 +316,7 @@ class CheckpointSettings:
     interval: int = 0
     resume: bool = True
     export: bool = False
+    allow_changes: tuple = ()
 
     def validate(self) -> "CheckpointSettings":
         check_optional_string("checkpoint.folder", self.folder)
@@ -320,10 +326,17 @@ class CheckpointSettings:
             raise PlanError("checkpoint.interval", "saving every few steps needs checkpoint.folder")
         check_bool("checkpoint.resume", self.resume)
         check_bool("checkpoint.export", self.export)
+        allowed = self.allow_changes
+        if not isinstance(allowed, (list, tuple)):
+            raise PlanError("checkpoint.allow_changes", f"must be a list of field paths, got {short_repr(allowed)}")
+        for i, name in enumerate(allowed):
+            if name not in TRAJECTORY_FIELDS:
+                raise PlanError(f"checkpoint.allow_changes[{i}]", f"{short_repr(name)} is not a setting a resume "
+                                                                  f"checks; one of: {', '.join(TRAJECTORY_FIELDS)}")
         if self.export and self.folder is None:
             raise PlanError("checkpoint.export", "exports the last checkpoint to <checkpoint.folder>/hf: needs "
                                                  "checkpoint.folder")
-        return self
+        return dataclasses.replace(self, allow_changes=tuple(allowed))
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ backend).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import json
 import math
 import os
 import time
@@ -33,7 +35,7 @@ from ..mesh import build_mesh
 from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
-from . import checkpoint, memory
+from . import checkpoint, lock, memory, resume_settings
 from .config import TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
@@ -219,6 +221,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     progress.at("start")
     mesh = build_mesh(config.plan.accelerator, device_type=settings.device,
                       timeout=datetime.timedelta(seconds=settings.collective_timeout_s))
+    progress.attach_board()
     root = mesh.root
     replica = root.get_local_rank("dp_replicate") * config.plan.accelerator.dp_shard_size + \
         root.get_local_rank("dp_shard")
@@ -287,21 +290,32 @@ def train(config: TrainConfig, log: Callable[[str], None] = print, stop_after: i
     naming the step and phase (progress.py)."""
     progress = Progress(config.train.collective_timeout_s)
     with progress.reporting():
-        return _train(config, log, stop_after, progress)
+        latest = check_before_building(config)
+        with _folder_lock(config, log):
+            return _train(config, log, stop_after, progress, latest)
 
 
-def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress) -> list[dict]:
+def _folder_lock(config: TrainConfig, log: Callable[[str], None]):
+    """Global rank 0 holds the checkpoint folder's lock for the run (lock.py); the others, and a
+    run without a folder, hold nothing."""
+    folder = config.checkpoint.folder
+    rank = dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+    return lock.holding(folder, log) if folder is not None and rank == 0 else contextlib.nullcontext()
+
+
+def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | None, progress: Progress,
+           latest: int | None) -> list[dict]:
     settings, saving = config.train, config.checkpoint
-    latest = check_before_building(config)
     trainer = build_trainer(config, progress, load_weights=latest is None, from_checkpoint=latest is not None)
     first = 0
     if latest is not None:
         progress.at("checkpoint load")
-        first = checkpoint.load(saving.folder, latest, trainer.model, trainer.optimizer, trainer.scheduler)
+        first = checkpoint.load(saving.folder, latest, trainer.model, trainer.optimizer, trainer.scheduler, config,
+                                trainer.references)
         if is_rank_zero():
-            log(f"resumed from {checkpoint.step_folder(saving.folder, latest)} at step {first}")
+            log(resumed_line(config, latest))
     last = settings.steps if stop_after is None else min(settings.steps, stop_after)
-    metrics = MetricsLog(settings.metrics_file, settings.steps, log, is_rank_zero(), append=first > 0)
+    metrics = MetricsLog(settings.metrics_file, settings.steps, log, is_rank_zero(), resumed_at=first)
     records = []
     try:
         for index in range(first, last):
@@ -316,7 +330,7 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
             if saving.folder and ((saving.interval and done % saving.interval == 0) or done == last):
                 progress.at("checkpoint save")
                 checkpoint.save(saving.folder, done, trainer.model, trainer.optimizer, trainer.scheduler,
-                                checkpoint.run_facts(config))
+                                checkpoint.run_facts(config), trainer.references)
     finally:
         metrics.close()
     if saving.export:
@@ -331,6 +345,18 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
         log(summary(records, settings.batch_size * settings.seq_len,
                     warmup=warmup_steps(settings.layer_compile_backend(config.plan.cp_size) is not None)))
     return records
+
+
+def resumed_line(config: TrainConfig, step: int) -> str:
+    """The resumed run's first line: where from, and what `checkpoint.allow_changes` let change."""
+    folder = checkpoint.step_folder(config.checkpoint.folder, step)
+    with open(os.path.join(folder, checkpoint.META_FILE), encoding="utf-8") as handle:
+        meta = json.load(handle)
+    changed = resume_settings.check(meta, config, os.path.join(folder, checkpoint.META_FILE))
+    line = f"resumed from {folder} at step {meta['step']}"
+    if changed:
+        line += f"; changed on purpose (checkpoint.allow_changes): {resume_settings.describe(changed)}"
+    return line
 
 
 # Tokens per CP rank of the dry run's probe batch: enough for every method (a GDN conv kernel's

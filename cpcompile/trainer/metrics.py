@@ -48,14 +48,21 @@ def relative(got: float, want: float) -> float:
 
 
 class MetricsLog:
-    """Rank 0's step lines (through `log`) and JSONL file; other ranks keep records only."""
+    """Rank 0's step lines (through `log`) and JSONL file; other ranks keep records only.
 
-    def __init__(self, path: str | None, steps: int, log: Callable[[str], None], enabled: bool, append: bool):
+    A run that starts at step 1 writes the file anew; one resumed after step `resumed_at` keeps
+    the lines up to that step and drops the later ones (`keep_steps_up_to`): the run that saved
+    the checkpoint may have gone on past it before it stopped, and the resumed run redoes those
+    steps, so the file holds each step once, as the resumed run computed it."""
+
+    def __init__(self, path: str | None, steps: int, log: Callable[[str], None], enabled: bool, resumed_at: int = 0):
         self.steps, self.log, self.enabled = steps, log, enabled
         self.handle = None
         if enabled and path:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            self.handle = open(path, "a" if append else "w", encoding="utf-8")
+            if resumed_at > 0:
+                keep_steps_up_to(path, resumed_at)
+            self.handle = open(path, "a" if resumed_at > 0 else "w", encoding="utf-8")
 
     def step(self, record: dict) -> None:
         if not self.enabled:
@@ -68,6 +75,32 @@ class MetricsLog:
     def close(self) -> None:
         if self.handle:
             self.handle.close()
+
+
+def keep_steps_up_to(path: str, step: int) -> None:
+    """Rewrite the JSONL file at `path` without the lines of steps after `step` (a missing file
+    is left missing); through a temporary file renamed over it, so a crash keeps the old file."""
+    if not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as handle:
+        lines = [line for line in handle if line.strip()]
+    kept = [line for line in lines if _step_of(line) is None or _step_of(line) <= step]
+    if len(kept) == len(lines):
+        return
+    partial = f"{path}.partial"
+    with open(partial, "w", encoding="utf-8") as handle:
+        handle.writelines(line if line.endswith("\n") else line + "\n" for line in kept)
+    os.replace(partial, path)
+
+
+def _step_of(line: str) -> int | None:
+    """The step a JSONL line records; None for a line that is not a step's record (kept as it is)."""
+    try:
+        record = json.loads(line)
+    except ValueError:
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if isinstance(step, int) else None
 
 
 def warmup_steps(compiled: bool) -> int:

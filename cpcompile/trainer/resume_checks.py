@@ -9,7 +9,8 @@ unreadable stream).
 - the shard files (`*.distcp`): each as long as the index says (a truncated copy is not);
 - the model: the same tensor names and shapes as the run's model (built on the meta device),
   so another model size or layer count is named by its first differing tensor;
-- `rng-rank0.pt`: present (the ranks without their own RNG file take it).
+- `rng-rank0.pt`: present (the ranks without their own RNG file take it);
+- with `train.verify`, the saved state of verify's unrewritten copies (`verify-<name>/`).
 """
 from __future__ import annotations
 
@@ -95,6 +96,16 @@ def check_rng_file(folder: str) -> None:
     if not os.path.isfile(path):
         raise CPConfigError(f"checkpoint {path} is missing (every rank without its own RNG file takes it); "
                             "remove that step's folder to resume from an earlier one")
+
+
+def check_reference_folder(folder: str, name: str) -> None:
+    """A run with `train.verify` resumes its unrewritten copies from the checkpoint's `name` folder."""
+    path = os.path.join(folder, name)
+    if not os.path.isfile(os.path.join(path, DCP_METADATA)):
+        raise CPConfigError(f"checkpoint {path} is missing: the checkpoint was saved without train.verify, so "
+                            "verify's unrewritten copies cannot resume from it (rebuilt from the seed, they would "
+                            "judge the resumed steps against step 1's weights); resume with train.verify: false, or "
+                            "start a new checkpoint.folder")
 
 
 def _first_line(exc: BaseException) -> str:
