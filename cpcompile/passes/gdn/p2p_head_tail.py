@@ -8,15 +8,20 @@ chain runs P−1 pass-to-previous steps. The core runs once over both fragments 
 Autograd runs the gradient chain backwards: down the tails, up the heads.
 
 The eager backend writes both chains with collectives (every rank takes part in each of the
-2(P−1) steps, as the contiguous eager State-P2P does).
+2(P−1) steps, as the contiguous eager State-P2P does); the triton backend is one op,
+`cpcompile::gdn_p2p_head_tail_chunk`, whose executor sends each state once, point to point
+(`kernels/gdn/triton/head_tail_executor.py`). Packed documents reach the triton op as gates, as
+in `p2p.py`.
 """
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
 from ...context import PassContext
-from ...errors import CPInputError
+from ...kernels.gdn.common import reset_decay_at_starts
 from ...methods import HEAD_TAIL, register_method
 from ..comm import note_once, shift_to_next_rank, shift_to_previous_rank
 from ..graph_utils import Emitter
@@ -25,11 +30,12 @@ from .head_tail import HEAD, TAIL, fold_core_inputs, slot_rows, unfold
 from .match import GdnMatch, gdn_method
 
 aten = torch.ops.aten
+GDN_P2P_HEAD_TAIL_CHUNK = torch.ops.cpcompile.gdn_p2p_head_tail_chunk.default
 
 
 def rewrite_p2p_head_tail(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
     if match.backend == "triton":
-        raise CPInputError(f"{ctx.fqn}: GDN State-P2P in Head-Tail order runs the eager backend only (for now)")
+        return rewrite_p2p_head_tail_triton(gm, match, ctx)
     emit = Emitter(gm.graph, match.node, PASS)
     folded = fold_core_inputs(emit, match, ctx)
     m, s = summary_of(emit, match, *folded.tokens[1:], folded.starts)
@@ -62,6 +68,18 @@ def _rows(emit: Emitter, state: fx.Node) -> fx.Node:
 
 def _state(emit: Emitter, rows: fx.Node) -> fx.Node:
     return emit(aten.squeeze.dim, rows, 0)
+
+
+def rewrite_p2p_head_tail_triton(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
+    emit = Emitter(gm.graph, match.node, PASS)
+    q, k, v, g, beta, starts = fold_core_inputs(emit, match, ctx)
+    if starts is not None:
+        g = emit(reset_decay_at_starts, g, starts)
+    fused = emit.core(GDN_P2P_HEAD_TAIL_CHUNK, q, k, v, g, beta, match.scale, match.chunk_size, ctx.group_name,
+                      ctx.cp_rank, ctx.cp_size)
+    match.replace_with(gm, unfold(emit, emit(operator.getitem, fused, 0)))
+    note_once(ctx, "state chain: inside cpcompile::gdn_p2p_head_tail_chunk (isend/irecv of one fp32 state per "
+                   f"fragment and direction, {2 * ctx.cp_size - 1} steps along the sequence forward and backward)")
 
 
 P2P_HEAD_TAIL = register_method(gdn_method("p2p_head_tail", rewrite_p2p_head_tail, layout=HEAD_TAIL))
