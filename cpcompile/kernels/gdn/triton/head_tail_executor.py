@@ -87,28 +87,32 @@ def head_tail_backward(do, q, k, v, g, beta, h_in, scale: float, chunk_size: int
         gc, w, u, tinv = launch.fwd_prepare(kd, v, g, beta)
         dh_local, m_t, dvl = launch.p2p_bwd_summary(qd, kd, w, gc, do, scale)
     (local_head, local_tail), (mt_head, mt_tail) = _halves(dh_local), _halves(m_t)
-    tensors = (qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dvl)
+    tensors = (qd, kd, v, g, beta, gc, w, u, tinv, do, h_in)
+    # each finish takes its half of dvl (emptying its dict) and drops it after its state pass: the
+    # buffer goes once both have
+    held_head, held_tail = ({"dvl": half} for half in _halves(dvl))
+    del dvl
     with record_function("gdn_p2p_ht_bwd.tail_chain"):
         out_tail = _received(from_below)  # None on rank 0: its tail ends the sequence
         into_tail = chain_grad_step(mt_tail.mT, local_tail, out_tail)
         sent_up = ring.send(into_tail, UP)
         from_above = ring.post_recv(state_like, UP)  # after the send to the same neighbour (NCCL order)
     with record_function("gdn_p2p_ht_bwd.tail_finish"):
-        grads_tail = _finish(tensors, 1, out_tail, scale, q, k)
+        grads_tail = _finish(tensors, 1, held_tail, out_tail, scale, q, k)
     with record_function("gdn_p2p_ht_bwd.head_chain"):
         out_head = into_tail if from_above is None else _received(from_above)
         sent_down = ring.send(chain_grad_step(mt_head.mT, local_head, out_head), DOWN)
     with record_function("gdn_p2p_ht_bwd.head_finish"):
-        grads_head = _finish(tensors, 0, out_head, scale, q, k)
+        grads_head = _finish(tensors, 0, held_head, out_head, scale, q, k)
         for sent in (sent_up, sent_down):
             if sent is not None:
                 _wait(sent)
     return [torch.cat([h, t]).to(x.dtype).contiguous() for h, t, x in zip(grads_head, grads_tail, (q, k, v, g, beta))]
 
 
-def _finish(tensors: tuple, slot: int, dh_out: Tensor | None, scale: float, q: Tensor, k: Tensor) -> tuple:
+def _finish(tensors: tuple, slot: int, held: dict, dh_out: Tensor | None, scale: float, q: Tensor, k: Tensor) -> tuple:
     """The plain backward of one fragment's rows from its entering state and the gradient of its
-    leaving state (None: zero)."""
-    qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, dvl = _rows(tensors, slot)
-    return launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, {"dvl": dvl}, dh_out, scale,
+    leaving state (None: zero); `held`: its rows of the summary's dvl."""
+    qd, kd, v, g, beta, gc, w, u, tinv, do, h_in = _rows(tensors, slot)
+    return launch.p2p_bwd_finish(qd, kd, v, g, beta, gc, w, u, tinv, do, h_in, held, dh_out, scale,
                                  qk_grad_dtype=q.dtype if q.dtype == k.dtype else None)
