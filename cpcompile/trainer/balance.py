@@ -76,6 +76,8 @@ def describe_imbalance(config: TrainConfig, params: int, model_config) -> str:
                          "(with GDN in Head-Tail order) gives every rank the same attention work",
            "head_tail": "Head-Tail: every rank the same attention work",
            "ulysses": "Ulysses: every rank the same attention work"}[sdpa_method(config)]
+    if found.busiest == found.idlest:  # every rank alike
+        return f"rank balance: every CP rank the same expected step, 1.00x ({why})"
     return (f"rank balance: busiest CP rank {found.busiest} / least busy rank {found.idlest} = {found.time:.2f}x "
             f"expected step time ({found.flops:.2f}x FLOPs; the time weighs attention FLOPs as measured on an "
             f"H200, trainer/balance.py) ({why})")

@@ -79,7 +79,7 @@ def rewrite_p2p_head_tail_triton(gm: fx.GraphModule, match: GdnMatch, ctx: PassC
                       ctx.cp_rank, ctx.cp_size)
     match.replace_with(gm, unfold(emit, emit(operator.getitem, fused, 0)))
     note_once(ctx, "state chain: inside cpcompile::gdn_p2p_head_tail_chunk (isend/irecv of one fp32 state per "
-                   f"fragment and direction, {2 * ctx.cp_size - 1} steps along the sequence forward and backward)")
+                   f"fragment and direction, {2 * (ctx.cp_size - 1)} messages along the sequence forward and backward)")
 
 
 P2P_HEAD_TAIL = register_method(gdn_method("p2p_head_tail", rewrite_p2p_head_tail, layout=HEAD_TAIL))
