@@ -74,7 +74,8 @@ def count_layer(method: str, cp: int, rank: int, backend: str = "eager") -> int:
         holder = Holder(Qwen3_5GatedDeltaNet(Qwen3_5TextConfig(**LAYER), layer_idx=0).to(torch.bfloat16))
         wrapper = {"_target_": f"cpcompile.adapters.qwen3_5.qwen3_5_gdn_{method}_cp_wrapper", "backend": backend}
         plan = cpcompile.load_plan({"accelerator": {"cp_size": cp}, "plan_overrides": [
-            {"match": "layer", "when": "cp", "region_dispatch": False, "inner_target": "self", "inner_wrapper": wrapper}]})
+            {"match": "layer", "when": "cp", "region_dispatch": False, "inner_target": "self",
+             "inner_wrapper": wrapper}]})
         mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
         hidden = torch.randn(1, LOCAL_TOKENS, HIDDEN, dtype=torch.bfloat16, requires_grad=True)
         model = cpcompile.compile(holder, mesh, plan, example_inputs=(hidden,))
@@ -114,7 +115,9 @@ def main() -> None:
     parser.add_argument("--triton", action="store_true", help="also the triton relay (TRITON_INTERPRET=1: slow)")
     args = parser.parse_args()
     sizes, token_counts = [int(x) for x in args.cp.split(",")], parse_tokens(args.tokens)
-    methods = [(m, "eager") for m in METHODS] + ([("p2p", "triton"), ("p2p_head_tail", "triton")] if args.triton else [])
+    methods = [(m, "eager") for m in METHODS]
+    if args.triton:
+        methods += [("p2p", "triton"), ("p2p_head_tail", "triton")]
     counted = {}
     print("| GDN method (backend) | N | rank | bytes sent per GDN layer, fwd + bwd |\n|---|---|---|---|")
     for cp in sizes:
@@ -124,7 +127,8 @@ def main() -> None:
                 print(f"| {method} ({backend}) | {cp} | {rank} | {counted[method, backend, cp, rank]:,} |", flush=True)
     print("\nPer training step and rank, MB (forward + backward, no AC recompute), the most any rank sends:\n")
     print("| N | tokens | HT relay, triton (point to point) | HT relay, eager (collective steps) | HT all-gather | "
-          "HT log-depth scan (est.) | alternative: GDN contiguous (triton State-P2P) + 2 all-to-alls an attention layer |\n"
+          "HT log-depth scan (est.) | alternative: GDN contiguous (triton State-P2P) + 2 all-to-alls an "
+          "attention layer |\n"
           "|---|---|---|---|---|---|---|")
     for cp in sizes:
         worst = lambda m, b: max(counted[m, b, cp, r] for r in {0, cp // 2, cp - 1})  # noqa: E731

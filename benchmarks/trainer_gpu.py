@@ -263,7 +263,8 @@ def main() -> None:
     simulation.add_argument("--simulate-cp", default=None, help="comma-separated CP sizes N, e.g. 2,4,8,16")
     simulation.add_argument("--tokens", default=None, help="global tokens a step: 128K,256K,512K,1M (--small: 64,128)")
     simulation.add_argument("--sdpa", default="all_gather,ulysses",
-                            help="comma-separated: all_gather, ulysses, head_tail (with GDN State-P2P in Head-Tail order)")
+                            help="comma-separated: all_gather, ulysses, head_tail (with GDN State-P2P in Head-Tail "
+                                 "order)")
     simulation.add_argument("--warmup", type=int, default=2,
                             help="steps before the measured ones; the last counts the bytes sent (with 1: the first "
                                  "measured step does)")

@@ -209,9 +209,9 @@ def sequence_layout(overrides: Iterable[Override]) -> str | None:
 
     One batch has one sequence layout. Head-Tail load balance (SDPA, and GDN in Head-Tail order)
     needs the batch in head-tail order (rank r holds chunks r and 2·cp−1−r); every other method,
-    and a `local_compute_fn`, needs it contiguous. A plan that mixes them would feed some module tokens in an order its rewrite does
-    not expect, so it is refused, naming two overrides that disagree: by `compile` before anything
-    is traced, and by `shard_batch`, which asks the same rule.
+    and a `local_compute_fn`, needs it contiguous. A plan that mixes them would feed some module
+    tokens in an order its rewrite does not expect, so it is refused, naming two overrides that
+    disagree: by `compile` before anything is traced, and by `shard_batch`, which asks the same rule.
     """
     overrides = list(overrides)
     if not overrides:

@@ -111,7 +111,8 @@ def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: 
     return _instead_of(emit, received, 0.0)
 
 
-def shift_to_previous_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: str, last_keeps: fx.Node) -> fx.Node:
+def shift_to_previous_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: str,
+                           last_keeps: fx.Node) -> fx.Node:
     """Send `rows` (`[n, ...]`) to rank r−1 and receive rank r+1's; the last rank, which has no
     successor, takes `last_keeps` (shaped like `rows`) instead of what rank 0 sent it round the
     ring, while still depending on it (as `shift_to_next_rank` does on rank 0)."""

@@ -169,7 +169,8 @@ def op_check(world: int, rank: int, device: str, dim: int, c: int) -> tuple[dict
     def rows(run_: dict, folded: bool) -> dict:
         take = (lambda x: x) if folded else fold
         logits = take(run_["logits"])
-        return {"logits": logits, "loss": logits.sum().reshape(1), "grads": {n: take(x) for n, x in run_["grads"].items()}}
+        return {"logits": logits, "loss": logits.sum().reshape(1),
+                "grads": {n: take(x) for n, x in run_["grads"].items()}}
 
     truth = rows(run(torch.float32, whole("eager"), d_o), folded=False)
     single = errors(rows(run(torch.bfloat16, whole("triton"), d_o), folded=False), truth)
@@ -216,7 +217,8 @@ def main() -> int:
             print("| scenario | loss | logits | all grads | worst param | decay params | verdict |")
             print("|---|---|---|---|---|---|---|")
             for name, (cp, single, ok) in rows.items():
-                cells = " | ".join(f"{cp[k]:.2e} / {single[k]:.2e}" for k in ("loss", "logits", "grads", "param", "decay"))
+                cells = " | ".join(f"{cp[k]:.2e} / {single[k]:.2e}"
+                                   for k in ("loss", "logits", "grads", "param", "decay"))
                 print(f"| {name} | {cells} | {'PASS' if ok else 'FAIL'} |")
         passed = torch.tensor(float(all(ok for _, _, ok in rows.values())), device=device)
         dist.all_reduce(passed, op=dist.ReduceOp.MIN)

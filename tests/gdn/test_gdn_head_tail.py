@@ -140,7 +140,8 @@ def exactness_failures(result: dict) -> list[str]:
                                       "qwen3_next padded", "qwen3_next packed, correlated keys, no decay"])
 def test_head_tail_gdn_is_exact(world, scenario):
     for rank, result in enumerate(results_for(world)):
-        assert not exactness_failures(result["scenarios"][scenario]), (rank, exactness_failures(result["scenarios"][scenario]))
+        failures = exactness_failures(result["scenarios"][scenario])
+        assert not failures, (rank, failures)
 
 
 @pytest.mark.parametrize("control", ["states not composed", "halo from the wrong neighbour"])

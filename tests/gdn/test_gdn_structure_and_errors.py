@@ -158,6 +158,10 @@ def _errors(rank: int, world: int) -> dict:
         cpcompile.compile(gdn_layer(0, torch.float32), mesh, gdn_plan(2, "p2p_head_tail", match="layer"),
                           example_inputs=(torch.randn(1, 4, 32), None))
 
+    def odd_local_length():  # two fragments a rank need an even local length
+        cpcompile.compile(gdn_layer(0, torch.float32), mesh, gdn_plan(2, "p2p_head_tail", match="layer"),
+                          example_inputs=(torch.randn(1, 9, 32), None))
+
     def twice():
         model = compile_model(gdn_plan(2, "p2p", sdpa="sdpa_hf"))
         compile_model(gdn_plan(2, "p2p", sdpa="sdpa_hf"), model=model)
@@ -172,6 +176,7 @@ def _errors(rank: int, world: int) -> dict:
     record("packed", packed)
     record("shorter_than_halo", short)
     record("fragment_shorter_than_halo", short_fragment)
+    record("head_tail_odd_local_length", odd_local_length)
     record("twice", twice)
     record("tp_with_gdn", lambda: compile_model(dict(gdn_plan(2, "p2p", sdpa="sdpa_hf"),
                                                      accelerator={"cp_size": 2, "tp_size": 2})))
@@ -218,6 +223,8 @@ def errors():
     ("packed", "CPInputError", ["cu_seq_lens_q", "packed"]),
     ("shorter_than_halo", "CPInputError", ["local sequence length 2", "conv halo (3 tokens)"]),
     ("fragment_shorter_than_halo", "CPInputError", ["Head-Tail fragment of 2 tokens", "conv halo (3 tokens)"]),
+    ("head_tail_odd_local_length", "CPInputError", ["Head-Tail order needs an even local sequence length", "got 9",
+                                                    "multiple of 2*cp_size=4"]),
     ("twice", "AlreadyCompiledError", ["already compiled"]),
     ("tp_with_gdn", "UnsupportedError", ["tp_size=2", "Gated DeltaNet", "out of scope"]),
     ("uncovered_gdn", "CoverageError", ["model.layers.1.linear_attn", "not covered"]),

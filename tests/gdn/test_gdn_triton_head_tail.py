@@ -4,10 +4,10 @@ in both directions, up the heads and down the tails.
 
 - the op: each rank's two fragments (folded into the batch, two rows each) against the eager core
   on the whole sequence — outputs and every input gradient — and `torch.library.opcheck`;
-- a tiny Qwen3.5 (one GDN layer, head dims 16, and one attention layer) on a packed row (a document starting exactly at a fragment
-  edge, documents crossing fragment edges between ranks, one shorter than the conv kernel), its GDN
-  layer on triton State-P2P in Head-Tail order beside SDPA Head-Tail, fp32, against the unrewritten
-  model (eager core) on each document alone.
+- a tiny Qwen3.5 (one GDN layer, head dims 16, and one attention layer) on a packed row (a document
+  starting exactly at a fragment edge, documents crossing fragment edges between ranks, one shorter
+  than the conv kernel), its GDN layer on triton State-P2P in Head-Tail order beside SDPA Head-Tail,
+  fp32, against the unrewritten model (eager core) on each document alone.
 
 All of it in one launch.
 """
@@ -45,7 +45,8 @@ def _op_inputs(batch: int, length: int, heads: int, seed: int) -> list[torch.Ten
     gen = torch.Generator().manual_seed(seed)
     q, k = (torch.nn.functional.normalize(torch.randn(batch, length, 1, 16, generator=gen), dim=-1) for _ in range(2))
     v = torch.randn(batch, length, heads, 16, generator=gen)
-    g, beta = -0.02 * torch.rand(batch, length, heads, generator=gen), 0.1 * torch.rand(batch, length, heads, generator=gen)
+    g = -0.02 * torch.rand(batch, length, heads, generator=gen)
+    beta = 0.1 * torch.rand(batch, length, heads, generator=gen)
     return [q, k, v, g, beta]
 
 
@@ -96,7 +97,8 @@ def _packed_model_body(rank: int, world: int, seed: int) -> dict:
     truth = each_document_alone(use_reference_gdn(make(torch.float64)), batch, spans)
     gdn = gdn_wrapper("p2p_head_tail", chunk_size=CHUNK, backend="triton")
     plan = {"accelerator": {"cp_size": world}, "plan_overrides": [
-        {"match": "*.linear_attn", "when": "cp", "region_dispatch": False, "inner_target": "self", "inner_wrapper": gdn},
+        {"match": "*.linear_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
+         "inner_wrapper": gdn},
         {"match": "*.self_attn", "when": "cp", "region_dispatch": False,
          "inner_wrapper": {"_target_": "cpcompile.wrappers.sdpa_hf_load_balance_cp_wrapper"}}]}
     got = cp_outputs(make, batch, plan)

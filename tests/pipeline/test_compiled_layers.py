@@ -1,11 +1,12 @@
 """`torch.compile` of checkpointed decoder layers holding CP regions: one graph per layer, no break.
 
 A tiny Qwen3.5 (3 GDN layers under State-P2P, 1 attention layer under SDPA AllGather, sync and
-async; and both in Head-Tail order) at CP=2 on gloo, fp32, every decoder layer under non-reentrant activation checkpointing and
-compiled on its own (the trainer's `apply_activation_checkpointing` and `compile_layers`, backend
-aot_eager): its logits, loss and every parameter gradient equal the eager CP run's and the CP=1
-reference's, Dynamo captured each layer, its checkpoint and its region's collectives in one graph,
-with no graph break, and the async region's launches stay apart from their waits in that graph.
+async; and both in Head-Tail order) at CP=2 on gloo, fp32, every decoder layer under non-reentrant
+activation checkpointing and compiled on its own (the trainer's `apply_activation_checkpointing` and
+`compile_layers`, backend aot_eager): its logits, loss and every parameter gradient equal the eager
+CP run's and the CP=1 reference's, Dynamo captured each layer, its checkpoint and its region's
+collectives in one graph, with no graph break, and the async region's launches stay apart from
+their waits in that graph.
 """
 from __future__ import annotations
 

@@ -105,7 +105,8 @@ def test_head_tail_with_contiguous_gdn_is_refused():
     from cpcompile.plan import sequence_layout
     from cpcompile.wrappers import sdpa_hf_load_balance_cp_wrapper
 
-    overrides = _overrides(("*.linear_attn", qwen3_5_gdn_p2p_cp_wrapper()), ("*.self_attn", sdpa_hf_load_balance_cp_wrapper()))
+    overrides = _overrides(("*.linear_attn", qwen3_5_gdn_p2p_cp_wrapper()),
+                           ("*.self_attn", sdpa_hf_load_balance_cp_wrapper()))
     with pytest.raises(ValueError) as err:
         sequence_layout(overrides)
     for word in ("plan_overrides[0].inner_wrapper", "*.linear_attn", "plan_overrides[1].inner_wrapper",
@@ -118,7 +119,8 @@ def test_head_tail_gdn_with_contiguous_sdpa_is_refused():
     from cpcompile.plan import sequence_layout
     from cpcompile.wrappers import sdpa_hf_cp_wrapper
 
-    overrides = _overrides(("*.linear_attn", qwen3_5_gdn_p2p_head_tail_cp_wrapper()), ("*.self_attn", sdpa_hf_cp_wrapper()))
+    overrides = _overrides(("*.linear_attn", qwen3_5_gdn_p2p_head_tail_cp_wrapper()),
+                           ("*.self_attn", sdpa_hf_cp_wrapper()))
     with pytest.raises(ValueError) as err:
         sequence_layout(overrides)
     for word in ("plan_overrides[1].inner_wrapper", "*.self_attn", "plan_overrides[0].inner_wrapper",

@@ -22,7 +22,8 @@ def rewrite_all_gather_head_tail(gm: fx.GraphModule, match: GdnMatch, ctx: PassC
     folded = fold_core_inputs(emit, match, ctx)
     summaries = summary_of(emit, match, *folded.tokens[1:], folded.starts)
     # [2B, ...] -> [2, B, ...] (slot, then batch), gathered to [P, 2, B, ...]
-    m, s = (gather_ranks(emit, ctx, _by_slot(emit, x), purpose) for x, purpose in zip(summaries, ("summary M", "summary S")))
+    m, s = (gather_ranks(emit, ctx, _by_slot(emit, x), purpose)
+            for x, purpose in zip(summaries, ("summary M", "summary S")))
     state, entering = zero_state(emit, slot_rows(emit, summaries[1], HEAD)), {}
     for rank, slot in sequence_owners(ctx.cp_size):
         if rank == ctx.cp_rank:

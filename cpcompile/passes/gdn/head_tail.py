@@ -39,11 +39,6 @@ def sequence_owners(cp_size: int) -> list[tuple[int, int]]:
     return [(rank, HEAD) for rank in range(cp_size)] + [(rank, TAIL) for rank in reversed(range(cp_size))]
 
 
-def chunk_index(cp_size: int, rank: int, slot: int) -> int:
-    """The sequence index of the chunk in `slot` of `rank`."""
-    return rank if slot == HEAD else 2 * cp_size - 1 - rank
-
-
 def fragment_length(ctx: PassContext, local_len: int) -> int:
     if local_len % 2:
         raise CPInputError(
