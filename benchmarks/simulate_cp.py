@@ -8,7 +8,9 @@ one (`build_trainer`: CP rewrite, activation checkpointing, FSDP2 over the N ran
 N x (local tokens) global tokens, so each row is what rank r of the real job would allocate and
 compute. Rank 0 and the last rank are the two ends: under causal SDPA AllGather the last rank's
 queries see every key (the most attention work), rank 0's only its own; GDN State-P2P's rank 0 sends
-no state gradient back and the last rank no state forward.
+no state gradient back and the last rank no state forward. Under Head-Tail (`--sdpa head_tail`:
+SDPA Head-Tail, GDN State-P2P in Head-Tail order) every rank has the same attention work; its GDN
+layers send two states a rank (a head's up, a tail's down), the ends one.
 
 Each row runs in a fresh subprocess (a row that runs out of memory is a row saying OOM, and cannot
 leave memory behind for the next one): `--warmup` steps, then `--steps` measured steps (their peak
@@ -39,7 +41,10 @@ import subprocess
 import sys
 import time
 
-SDPA_WRAPPERS = {"all_gather": "sdpa_hf", "ulysses": "sdpa_hf_ulysses"}
+SDPA_WRAPPERS = {"all_gather": "sdpa_hf", "ulysses": "sdpa_hf_ulysses",
+                 "head_tail": {"_target_": "cpcompile.wrappers.sdpa_hf_load_balance_cp_wrapper"}}
+# the GDN method beside each: State-P2P, in Head-Tail order beside Head-Tail (one batch order)
+GDN_METHODS = {"all_gather": "p2p", "ulysses": "p2p", "head_tail": "p2p_head_tail"}
 ROW_MARK = "SIMULATED_ROW "
 GB = 1e9
 # a row needs at least this much of the budget left to start (imports, model build, CP rewrite)
@@ -145,8 +150,8 @@ def describe(row: dict) -> str:
 
 def run_row(args, spec: dict, train_config_for) -> dict:
     """One rank of a CP=N job under the fake process group: build, warm up, measure, counting the
-    bytes sent in `counted_step`; -> the row. `train_config_for(args, sdpa_wrapper)` is the
-    script's config."""
+    bytes sent in `counted_step`; -> the row. `train_config_for(args, sdpa_wrapper, gdn_method)` is
+    the script's config."""
     import contextlib
 
     import torch
@@ -162,7 +167,7 @@ def run_row(args, spec: dict, train_config_for) -> dict:
 
     dist.init_process_group("fake", store=FakeStore(), rank=spec["rank"], world_size=spec["cp"])
     args.cp, args.seq_len = spec["cp"], spec["tokens"]
-    config = train_config_for(args, SDPA_WRAPPERS[spec["method"]])
+    config = train_config_for(args, SDPA_WRAPPERS[spec["method"]], GDN_METHODS[spec["method"]])
     row = {**spec, "local_tokens": spec["tokens"] // spec["cp"]}
     phase = "build"
     try:

@@ -22,14 +22,15 @@ prints its peak allocated memory; the last line is the summary with MFU, counted
 (H200 dense bf16: 989), without the activation-checkpointing recompute.
 
     python benchmarks/trainer_gpu.py --simulate-cp 2,4,8,16 [--tokens 128K,256K,512K,1M]
-        [--sdpa all_gather,ulysses] [--warmup 2 --steps 2] [--ranks ends|first|last] [--max-seconds 540]
+        [--sdpa all_gather,ulysses,head_tail] [--warmup 2 --steps 2] [--ranks ends|first|last] [--max-seconds 540]
         [--bandwidth-gbps 450] [--profile]
 
 `--simulate-cp` plays, on one device, rank 0 and the last rank of a CP=N job under PyTorch's fake
 process group, one subprocess per row: real memory and compute, zero communication, the bytes each
 rank sends counted from its collectives, and the CP=N step predicted from them (simulate_cp.py
-says how; collective_bytes.py the byte formulas). GDN runs State-P2P; SDPA AllGather or Ulysses
-(`--sdpa`; Ulysses where the heads allow: the rows say which N cpcompile refuses). Each row also has
+says how; collective_bytes.py the byte formulas). GDN runs State-P2P; SDPA AllGather, Ulysses or
+Head-Tail (`--sdpa`; Ulysses where the heads allow: the rows say which N cpcompile refuses; with
+Head-Tail the GDN layers run State-P2P in Head-Tail order, one batch order for the whole model). Each row also has
 the trainer's memory estimate (`memory_estimate`, what `--dry-run` prints) beside the measured peak.
 With `--profile` each row runs one step more, under the profiler, and prints its ops by device time.
 Smoke: `--simulate-cp 2 --small --device cpu --tokens 64`.
@@ -57,11 +58,13 @@ SMALL = dict(MODEL, vocab_size=512, hidden_size=64, intermediate_size=128, num_h
              linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4)
 
 
-def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf") -> dict:
+def config(args, loss: str = "chunked", ac="every_layer", sdpa: str = "sdpa_hf", gdn: str = "p2p") -> dict:
+    """The train config; `sdpa` the attention layers' wrapper, `gdn` the GDN method (`p2p`, or
+    `p2p_head_tail` beside SDPA Head-Tail: one batch order)."""
     backend = args.gdn_backend or ("triton" if args.device == "cuda" else "eager")
     plan = {"accelerator": {"cp_size": args.cp}, "plan_overrides": [
         {"match": "*.linear_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
-         "inner_wrapper": {"_target_": "cpcompile.adapters.qwen3_5.qwen3_5_gdn_p2p_cp_wrapper", "backend": backend}},
+         "inner_wrapper": {"_target_": f"cpcompile.adapters.qwen3_5.qwen3_5_gdn_{gdn}_cp_wrapper", "backend": backend}},
         {"match": "*.self_attn", "when": "cp", "region_dispatch": False, "inner_target": "self",
          "inner_wrapper": sdpa}]}
     return {"model": SMALL if args.small else MODEL, **plan,
@@ -199,12 +202,13 @@ def simulate(args, parser) -> None:
     if args.simulate_row:
         from cpcompile.trainer import load_train_config
 
-        def train_config_for(child_args, sdpa_wrapper):
+        def train_config_for(child_args, sdpa_wrapper, gdn_method):
             # the run's LR schedule covers the warm-up, the measured steps and one more (profiled, or
             # counting the bytes of compiled layers: simulate_cp.run_row)
             steps = child_args.warmup + child_args.steps + 1
             scheduled = argparse.Namespace(**{**vars(child_args), "steps": steps})
-            return load_train_config(config(scheduled, scheduled.loss, ac_setting(scheduled.ac), sdpa_wrapper))
+            return load_train_config(config(scheduled, scheduled.loss, ac_setting(scheduled.ac), sdpa_wrapper,
+                                            gdn_method))
 
         return simulate_cp.child_main(args, args.simulate_row, train_config_for)
     args.simulate_cp = [int(n) for n in args.simulate_cp.split(",")]
@@ -259,7 +263,9 @@ def main() -> None:
     simulation = parser.add_argument_group("per-rank simulation of a CP=N job on one device (simulate_cp.py)")
     simulation.add_argument("--simulate-cp", default=None, help="comma-separated CP sizes N, e.g. 2,4,8,16")
     simulation.add_argument("--tokens", default=None, help="global tokens a step: 128K,256K,512K,1M (--small: 64,128)")
-    simulation.add_argument("--sdpa", default="all_gather,ulysses", help="comma-separated: all_gather, ulysses")
+    simulation.add_argument("--sdpa", default="all_gather,ulysses",
+                            help="comma-separated: all_gather, ulysses, head_tail (with GDN State-P2P in Head-Tail "
+                                 "order)")
     simulation.add_argument("--warmup", type=int, default=2,
                             help="steps before the measured ones; the last counts the bytes sent (with 1: the first "
                                  "measured step does)")

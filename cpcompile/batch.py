@@ -292,12 +292,17 @@ def shard_batch(
     at every document start (both GDN backends), and a packed batch cannot
     also carry padding.
 
+    Under Head-Tail a packed batch is cut per document (every rank holds a head and a tail piece
+    of every document), unless the plan has GDN in Head-Tail order, whose fragments are the two
+    fixed chunks (`Plan.cuts_documents`): then it is cut like any other batch.
+
     Head-Tail, or a packed batch, without a user mask gets an all-ones ``attention_mask`` when
     cp > 1: transformers would read the jumps in the local position ids as packed documents of its
     own and build a ``[B, 1, S_local, S_local]`` mask; with an all-ones padding mask it passes no
     mask at all, and the rewrite reads the documents from the position ids.
     """
     _check_keys(global_batch)
+    plan = _as_plan(plan)
     cp_size, cp_rank, layout = _batch_layout(mesh, plan)
     bsz, seq_len = _sequence_shape(global_batch)
     _check_field_shapes(global_batch, bsz, seq_len)
@@ -344,7 +349,8 @@ def shard_batch(
     local: dict[str, Any] = {}
     index = local_indices(seq_len, cp_size, cp_rank, layout) if cp_size > 1 else None
     order = None
-    if index is not None and layout == HEAD_TAIL and packed:  # each document cut into head and tail pieces
+    if index is not None and layout == HEAD_TAIL and packed and plan.cuts_documents():
+        # each document cut into head and tail pieces (GDN in Head-Tail order keeps the two chunks)
         order = per_document_head_tail(fields["position_ids"], cp_size)
         index = order[:, cp_rank * (seq_len // cp_size):(cp_rank + 1) * (seq_len // cp_size)]
     _note_head_tail_order(layout, order is not None)

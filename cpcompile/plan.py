@@ -194,6 +194,12 @@ class Plan:
         None when none is active. A `PlanError` when they need different ones (`sequence_layout`)."""
         return sequence_layout(self.active_overrides())
 
+    def cuts_documents(self) -> bool:
+        """Whether `shard_batch` may cut a packed Head-Tail batch per document (every rank a head
+        and a tail piece of every document); not when an active override needs the layout's two
+        fixed chunks (`CPMethod.fixed_chunks`: GDN in Head-Tail order)."""
+        return not any(o.method is not None and o.method.fixed_chunks for o in self.active_overrides())
+
 
 # --------------------------------------------------------------------------- the one-layout rule
 
@@ -201,11 +207,11 @@ class Plan:
 def sequence_layout(overrides: Iterable[Override]) -> str | None:
     """The sequence layout every override needs; None without overrides.
 
-    One batch has one sequence layout. Head-Tail load balance needs the batch in head-tail order
-    (rank r holds chunks r and 2·cp−1−r); every other method, and a `local_compute_fn`, needs it
-    contiguous. A plan that mixes them would feed some module tokens in an order its rewrite does
-    not expect, so it is refused, naming two overrides that disagree: by `compile` before anything
-    is traced, and by `shard_batch`, which asks the same rule.
+    One batch has one sequence layout. Head-Tail load balance (SDPA, and GDN in Head-Tail order)
+    needs the batch in head-tail order (rank r holds chunks r and 2·cp−1−r); every other method,
+    and a `local_compute_fn`, needs it contiguous. A plan that mixes them would feed some module
+    tokens in an order its rewrite does not expect, so it is refused, naming two overrides that
+    disagree: by `compile` before anything is traced, and by `shard_batch`, which asks the same rule.
     """
     overrides = list(overrides)
     if not overrides:

@@ -27,7 +27,7 @@ from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
 from ..kernels.gdn.conv import causal_conv, conv_taps
 from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
-from ..passes.gdn import all_gather, p2p, ulysses
+from ..passes.gdn import all_gather, all_gather_head_tail, p2p, p2p_head_tail, ulysses
 
 # Both Hugging Face identities map to this one provider.
 ARCHITECTURES = {"Qwen3_5ForConditionalGeneration": "qwen3_5", "Qwen3_5ForCausalLM": "qwen3_5_text"}
@@ -243,6 +243,24 @@ def qwen3_5_gdn_all_gather_cp_wrapper(backend: str = "eager", chunk_size: int = 
     if backend != "eager":
         raise CPInputError(f"GDN State-AllGather supports backend='eager' only, got {backend!r}")
     return _gdn_method(all_gather.ALL_GATHER, "qwen3_5_gdn_all_gather_cp_wrapper", backend, chunk_size)
+
+
+@inner_wrapper
+def qwen3_5_gdn_p2p_head_tail_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
+    """GDN State-P2P in Head-Tail order, beside `sdpa_hf_load_balance_cp_wrapper` (one batch order
+    for the whole model): rank r holds chunks r and 2·cp−1−r; the state goes up the heads and back
+    down the tails (docs/methods.md); every rank keeps all heads."""
+    return _gdn_method(p2p_head_tail.P2P_HEAD_TAIL, "qwen3_5_gdn_p2p_head_tail_cp_wrapper", backend, chunk_size)
+
+
+@inner_wrapper
+def qwen3_5_gdn_all_gather_head_tail_cp_wrapper(backend: str = "eager", chunk_size: int = CHUNK_SIZE) -> CPMethod:
+    """GDN State-AllGather in Head-Tail order (a comparison path): every rank's two (M, S) gathered,
+    each fragment's prefix composed in sequence order. Eager backend only."""
+    if backend != "eager":
+        raise CPInputError(f"GDN State-AllGather supports backend='eager' only, got {backend!r}")
+    return _gdn_method(all_gather_head_tail.ALL_GATHER_HEAD_TAIL, "qwen3_5_gdn_all_gather_head_tail_cp_wrapper",
+                       backend, chunk_size)
 
 
 register_adapter(AdapterSpec(ADAPTER, core="gdn", region=GdnRegion, is_core_module=is_gdn_layer))

@@ -18,6 +18,9 @@ class CPMethod:
     `name` selects the rewrite pass (e.g. "all_gather"), `core` says which attention core
     it rewrites ("sdpa" or "gdn"), `layout` is the sequence layout it needs from the batch,
     and `params` holds the wrapper's own validated parameters (e.g. ulysses_degree).
+    `fixed_chunks`: the method needs the layout's equal chunks for a packed batch too; a packed
+    Head-Tail batch is otherwise cut per document (`documents.per_document_head_tail`), which
+    gives a rank pieces whose number and places depend on the data (GDN's fragments cannot).
     """
 
     name: str
@@ -26,6 +29,7 @@ class CPMethod:
     layout: str = CONTIGUOUS
     params: Mapping[str, Any] = field(default_factory=dict)
     asynchronous: bool = False  # launches at the producer, waits at the consumer (schedule pass)
+    fixed_chunks: bool = False
 
     def describe(self) -> str:
         extra = "".join(f", {k}={v}" for k, v in sorted(self.params.items()))

@@ -51,6 +51,7 @@ class MethodSpec:
     subgroups: Callable[[Mapping[str, Any]], tuple[int, ...]] = no_subgroups
     asynchronous: bool = False
     sync_wrapper: str | None = None
+    fixed_chunks: bool = False  # `CPMethod.fixed_chunks`
 
     @property
     def key(self) -> tuple[str, str, bool]:
@@ -62,7 +63,7 @@ class MethodSpec:
     def cp_method(self, wrapper: str, **params: Any) -> CPMethod:
         """The `CPMethod` a wrapper named `wrapper` returns for this method, with its parameters."""
         return CPMethod(name=self.name, core=self.core, wrapper=wrapper, layout=self.layout, params=params,
-                        asynchronous=self.asynchronous)
+                        asynchronous=self.asynchronous, fixed_chunks=self.fixed_chunks)
 
     def async_variant(self, sync_wrapper: str) -> "MethodSpec":
         """The same method with its collectives scheduled for overlap (`schedule_pass`)."""

@@ -4,6 +4,8 @@ node and a wait node, recorded for the dump. SDPA (`sdpa/`) and GDN (`gdn/`) bui
 - `all_gather_sequence`: gather along one dim over a group, ranks in order (backward: reduce-scatter);
 - `all_to_all`: cut along one dim, exchange, join along another (backward: the inverse exchange);
 - `shift_to_next_rank`: rank r's rows to rank r+1 (rank 0 gets zeros), one ring all-to-all;
+- `shift_to_previous_rank`: rank r's rows to rank r−1 (the last rank keeps a value of its own);
+- `exchange_with_neighbours`: rows to rank r+1 and other rows to rank r−1, one all-to-all;
 - `gather_ranks`: a tensor from every rank, stacked in rank order.
 """
 from __future__ import annotations
@@ -103,18 +105,66 @@ def shift_to_next_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: 
     and its backward (which returns each gradient to its sender) run alike on every rank —
     and no rank ever sends an empty buffer.
     """
+    received = _ring_shift(emit, ctx, rows, +1, purpose)
+    if ctx.cp_rank > 0:
+        return received
+    return _instead_of(emit, received, 0.0)
+
+
+def shift_to_previous_rank(emit: Emitter, ctx: PassContext, rows: fx.Node, purpose: str,
+                           last_keeps: fx.Node) -> fx.Node:
+    """Send `rows` (`[n, ...]`) to rank r−1 and receive rank r+1's; the last rank, which has no
+    successor, takes `last_keeps` (shaped like `rows`) instead of what rank 0 sent it round the
+    ring, while still depending on it (as `shift_to_next_rank` does on rank 0)."""
+    received = _ring_shift(emit, ctx, rows, -1, purpose)
+    if ctx.cp_rank < ctx.cp_size - 1:
+        return received
+    return _instead_of(emit, received, last_keeps)
+
+
+def _ring_shift(emit: Emitter, ctx: PassContext, rows: fx.Node, offset: int, purpose: str) -> fx.Node:
+    """One all-to-all on the ring: `rows` to rank (r + offset) mod P, rank (r − offset)'s received."""
     rank, size = ctx.cp_rank, ctx.cp_size
     count = val(rows).shape[0]
-    send_splits = [count if peer == (rank + 1) % size else 0 for peer in range(size)]
-    recv_splits = [count if peer == (rank - 1) % size else 0 for peer in range(size)]
+    send_splits = [count if peer == (rank + offset) % size else 0 for peer in range(size)]
+    recv_splits = [count if peer == (rank - offset) % size else 0 for peer in range(size)]
     payload = emit(aten.clone.default, rows, memory_format=torch.contiguous_format)
-    received = collective(emit, ctx, C.ALL_TO_ALL, payload, recv_splits, send_splits, purpose=purpose,
-                          group=cp_group(ctx))
-    if rank > 0:
-        return received
-    # zeros that still depend on `received` (so its backward runs), without 0·inf = NaN
+    return collective(emit, ctx, C.ALL_TO_ALL, payload, recv_splits, send_splits, purpose=purpose,
+                      group=cp_group(ctx))
+
+
+def _instead_of(emit: Emitter, received: fx.Node, value) -> fx.Node:
+    """`value` in place of `received`, still depending on it (so its backward runs on this rank
+    too), without 0·inf = NaN."""
     no = emit(aten.zeros.default, [], dtype=torch.bool, device=val(received).device)
-    return emit(aten.where.ScalarOther, no, received, 0.0)
+    if isinstance(value, fx.Node):
+        return emit(aten.where.self, no, received, value)
+    return emit(aten.where.ScalarOther, no, received, value)
+
+
+def exchange_with_neighbours(emit: Emitter, ctx: PassContext, to_next: fx.Node, to_previous: fx.Node,
+                             purpose: str) -> tuple[fx.Node, fx.Node]:
+    """Send `to_next` to rank r+1 and `to_previous` to rank r−1 (both `[n, ...]`, around the ring),
+    in one all-to-all -> (what rank r−1 sent to its next, what rank r+1 sent to its previous).
+
+    At the ring's ends the values come round from the other end; the caller decides what rank 0
+    and rank P−1 use instead. With two ranks both neighbours are the same rank: it receives one
+    block, the rows for its next first.
+    """
+    rank, size = ctx.cp_rank, ctx.cp_size
+    count = val(to_next).shape[0]
+    nxt, previous = (rank + 1) % size, (rank - 1) % size
+    splits = [count * ((peer == nxt) + (peer == previous)) for peer in range(size)]
+    # all_to_all_single sends and receives blocks in peer order; one peer twice (two ranks): next first
+    if nxt == previous or nxt < previous:
+        blocks, first_from_previous = [to_next, to_previous], nxt == previous
+    else:
+        blocks, first_from_previous = [to_previous, to_next], True
+    payload = emit(aten.cat.default, blocks)
+    received = collective(emit, ctx, C.ALL_TO_ALL, payload, splits, splits, purpose=purpose, group=cp_group(ctx))
+    first = emit(aten.slice.Tensor, received, 0, 0, count)
+    second = emit(aten.slice.Tensor, received, 0, count, 2 * count)
+    return (first, second) if first_from_previous else (second, first)
 
 
 def gather_ranks(emit: Emitter, ctx: PassContext, x: fx.Node, purpose: str) -> fx.Node:

@@ -35,7 +35,7 @@ from ..mesh import build_mesh
 from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
-from . import checkpoint, lock, memory, resume_settings
+from . import balance, checkpoint, lock, memory, resume_settings
 from .config import TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
 from .lm_loss import chunked_loss_inputs, chunked_loss_sum, use_loss, uses_chunked_loss
@@ -401,8 +401,10 @@ def dry_run(config: TrainConfig, log: Callable[[str], None] = print, memory_gib:
             log(f"  {name}: {method}")
         log(f"memory estimate per rank (GiB{busiest_rank_note(config)}): "
             + ", ".join(f"{k} {v:.3g}" for k, v in estimate.items()))
+        log(balance.describe_imbalance(config, parameters, trainer.model.config))
     facts = {"regions": regions, "memory_gib": estimate, "probe_seq_len": probe,
-             "parameters": parameters, "model_config": trainer.model.config}
+             "parameters": parameters, "model_config": trainer.model.config,
+             "rank_imbalance": balance.imbalance(config, parameters, trainer.model.config)}
     if budget is not None:
         facts["longest_seq_len"] = memory.longest_seq_len(config, parameters, trainer.model.config, budget,
                                                           seq_len_multiple(config.plan))

@@ -56,7 +56,8 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   (`gdn_core_backward_bytes`, counted from kernels/gdn/triton/launch.py: the q/k/v/do casts and
   copies, gc, w, u, the (I + A)^-1 rows, and the most of its three phases: the recomputed chunk
   states and their gradients, one K x V state in c per 64 tokens and head each, then the per
-  value head dq/dk/dw, then dv and the float dq/dk), attention's (`attention_core_backward_bytes`:
+  value head dq/dk/dw, then dv and the float dq/dk; in Head-Tail order one more copy of its input
+  gradients, `gdn_head_tail_backward_bytes`), attention's (`attention_core_backward_bytes`:
   dq, dk, dv of every key the rank holds, and for the largest block of keys one kernel call reads,
   the K/V repeated per query head when the kernel does not take grouped heads and the per-query-head
   dk/dv; that block depends on the CP rank, `attended_keys`: under AllGather the last rank's
@@ -427,6 +428,8 @@ def _core_backward_bytes(text, kind: str, sizes: _ElementSizes, cp: int, sdpa: s
         _, value, _ = _gdn_widths(text)
         in_flight = value * sizes.float + value * c + hidden * c  # d core output (float), dz, d residual
         buffers = gdn_core_backward_bytes(text, sizes) - (value * c if gdn_inner else 0)  # v contiguous: no copy
+        if sdpa == "head_tail":  # one batch order: the GDN layers run in Head-Tail order too
+            buffers += gdn_head_tail_backward_bytes(text, sizes)
         return _gdn_before_core_bytes(text, sizes, gdn_inner) + in_flight + buffers
     query, _, gated, _ = _attention_widths(text)
     in_flight = query * c * (2 if gated else 1) + hidden * c  # d output (and d gate), d residual
@@ -453,6 +456,16 @@ def gdn_core_backward_bytes(text, sizes: _ElementSizes) -> int:
     after_inter = 2 * state + value * c + per_head_grads
     in_prepare = value * c + per_head_grads + value * c + 2 * heads * f + 2 * key * f
     return inputs + prepared + max(after_state_pass, after_inter, in_prepare)
+
+
+def gdn_head_tail_backward_bytes(text, sizes: _ElementSizes) -> int:
+    """What GDN in Head-Tail order adds to its core's backward, a token: the two fragments' input
+    gradients (dq, dk in q's dtype, float; dv in c; dg, dbeta in float) beside their concatenation
+    (kernels/gdn/triton/head_tail_executor.py `head_tail_backward`), one more copy of the core's
+    input gradients. Counted from the code, not yet measured on a GPU."""
+    f, c = sizes.float, sizes.compute
+    key, value, heads = _gdn_widths(text)
+    return 2 * key * f + value * c + 2 * heads * f
 
 
 def attended_keys(sdpa: str, cp: int, rank: int) -> float:

@@ -86,6 +86,23 @@ def test_work_is_balanced_where_plain_head_tail_is_not():
             assert ratio > 1.5, (layout, work)
 
 
+def test_a_plan_with_head_tail_gdn_keeps_the_two_chunks_for_a_packed_batch():
+    """GDN in Head-Tail order needs the layout's two fixed chunks (its fragments), packed or not:
+    beside it, a packed batch is cut like any other (no per-document order, no global positions)."""
+    from cpcompile.adapters.qwen3_5 import qwen3_5_gdn_p2p_head_tail_cp_wrapper
+
+    cp, length = 2, 24
+    plan = Plan(AcceleratorConfig(cp_size=cp), (*_plan(cp).overrides, Override(
+        "*.linear_attn", "cp", False, method=qwen3_5_gdn_p2p_head_tail_cp_wrapper())))
+    batch = {"input_ids": torch.randint(0, 50, (1, length)), "position_ids": _positions([1, 9, 3, 11])[None]}
+    for rank in range(cp):
+        local = shard_batch(batch, types.SimpleNamespace(cp_size=cp, cp_rank=rank), plan)
+        assert getattr(local["position_ids"], GLOBAL_POSITIONS, None) is None
+        index = local_indices(length, cp, rank, HEAD_TAIL)
+        assert torch.equal(local["input_ids"], batch["input_ids"][:, index])
+        assert torch.equal(local["position_ids"], batch["position_ids"][:, index])
+
+
 def test_shard_batch_marks_global_positions_per_row():
     """Two rows with different documents: each row cut by its own documents; the local tokens are
     the global ones at the marked positions."""

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from cp_harness import assert_fails_with
+from cp_harness import HEAD_TAIL_WRAPPER, assert_fails_with
 from gdn_harness import TEXT, gdn_plan, gdn_wrapper, tiny_qwen3_5
 from dist_utils import run_distributed
 
@@ -31,8 +31,9 @@ def _structure(rank: int, world: int, dump_root: str) -> dict:
 
     _fake_pg(rank, world)
     result = {}
-    for method in ("ulysses", "p2p", "all_gather"):
-        plan = cpcompile.load_plan(gdn_plan(world, method, sdpa="sdpa_hf"))
+    for method in ("ulysses", "p2p", "all_gather", "p2p_head_tail", "all_gather_head_tail"):
+        sdpa = HEAD_TAIL_WRAPPER if method.endswith("head_tail") else "sdpa_hf"
+        plan = cpcompile.load_plan(gdn_plan(world, method, sdpa=sdpa))
         mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
         local = cpcompile.shard_batch(random_batch(rank, 2, 8 * world, padded=True), mesh, plan)
         dump = f"{dump_root}/{method}/rank{rank}"
@@ -50,6 +51,7 @@ def _structure(rank: int, world: int, dump_root: str) -> dict:
             "gdn_purposes": [c["purpose"] for c in gdn[0]["collectives_inserted"]],
             "dump": {(r["fqn"], r["method"], r["backend"]) for r in gdn},
             "notes": gdn[0]["notes"],
+            "sdpa_notes": [n for r in summary["regions"] if r["core"] == "sdpa" for n in r["notes"]],
         }
     dist.destroy_process_group()
     return result
@@ -78,6 +80,10 @@ EXPECTED_GDN = {
     "ulysses": ["conv halo"] + [f"{x} seq->head" for x in ("q", "k", "v", "g", "beta")] + ["o head->seq"],
     "p2p": ["conv halo"] + [f"state chain step {i}/{WORLD - 1}" for i in range(1, WORLD)],
     "all_gather": ["conv halo", "summary M", "summary S"],
+    # Head-Tail order: one halo exchange with both neighbours; the state up the heads, down the tails
+    "p2p_head_tail": ["conv halo"] + [f"{part} state chain step {i}/{WORLD - 1}" for part in ("head", "tail")
+                                      for i in range(1, WORLD)],
+    "all_gather_head_tail": ["conv halo", "summary M", "summary S"],
 }
 
 
@@ -92,6 +98,8 @@ def test_gdn_collectives_per_method(method, tmp_path_factory):
         assert r["backward"] == results[0][method]["backward"], "backward collectives differ between ranks"
         assert {fqn for fqn, _, _ in r["dump"]} == {f"model.layers.{i}.linear_attn" for i in range(3)}
         assert all(m == method and b == "eager" for _, m, b in r["dump"])
+        if method.endswith("head_tail"):  # SDPA Head-Tail beside it: one batch order
+            assert any("head-tail" in note for note in r["sdpa_notes"]), r["sdpa_notes"]
         assert any("conv halo" in note for note in r["notes"])
 
 
@@ -100,6 +108,8 @@ def test_p2p_backward_runs_the_state_gradient_chain(tmp_path_factory):
         backward = result["p2p"]["backward"]
         # per GDN layer: the halo and WORLD-1 chain steps come back as all-to-alls
         assert backward.count("all_to_all_single") == 3 * WORLD
+        # Head-Tail order: the halo and 2(WORLD-1) chain steps
+        assert result["p2p_head_tail"]["backward"].count("all_to_all_single") == 3 * (2 * WORLD - 1)
 
 
 # ----------------------------------------------------------------------------- fail-fast rules
@@ -144,6 +154,14 @@ def _errors(rank: int, world: int) -> dict:
         cpcompile.compile(gdn_layer(0, torch.float32), mesh, gdn_plan(2, "p2p", match="layer"),
                           example_inputs=(torch.randn(1, 2, 32), None))
 
+    def short_fragment():  # 8 local tokens: two fragments of 4; 4 local: of 2, under the halo
+        cpcompile.compile(gdn_layer(0, torch.float32), mesh, gdn_plan(2, "p2p_head_tail", match="layer"),
+                          example_inputs=(torch.randn(1, 4, 32), None))
+
+    def odd_local_length():  # two fragments a rank need an even local length
+        cpcompile.compile(gdn_layer(0, torch.float32), mesh, gdn_plan(2, "p2p_head_tail", match="layer"),
+                          example_inputs=(torch.randn(1, 9, 32), None))
+
     def twice():
         model = compile_model(gdn_plan(2, "p2p", sdpa="sdpa_hf"))
         compile_model(gdn_plan(2, "p2p", sdpa="sdpa_hf"), model=model)
@@ -157,12 +175,16 @@ def _errors(rank: int, world: int) -> dict:
     record("inference_cache", with_cache)
     record("packed", packed)
     record("shorter_than_halo", short)
+    record("fragment_shorter_than_halo", short_fragment)
+    record("head_tail_odd_local_length", odd_local_length)
     record("twice", twice)
     record("tp_with_gdn", lambda: compile_model(dict(gdn_plan(2, "p2p", sdpa="sdpa_hf"),
                                                      accelerator={"cp_size": 2, "tp_size": 2})))
     record("uncovered_gdn", lambda: compile_model(gdn_plan(2, "p2p", sdpa="sdpa_hf", match="*.0.linear_attn")))
     record("sdpa_method_on_gdn", sdpa_method_on_gdn)
     record("all_gather_triton", lambda: cpcompile.load_plan(gdn_plan(2, "all_gather", backend="triton")))
+    record("all_gather_head_tail_triton",
+           lambda: cpcompile.load_plan(gdn_plan(2, "all_gather_head_tail", backend="triton")))
     record("bad_backend", lambda: cpcompile.load_plan(gdn_plan(2, "p2p", backend="cuda")))
     record("bad_chunk", lambda: cpcompile.load_plan(
         {"plan_overrides": [{"match": "x", "when": "cp", "region_dispatch": False,
@@ -200,11 +222,15 @@ def errors():
     ("inference_cache", "CPInputError", ["cache", "use_cache=False"]),
     ("packed", "CPInputError", ["cu_seq_lens_q", "packed"]),
     ("shorter_than_halo", "CPInputError", ["local sequence length 2", "conv halo (3 tokens)"]),
+    ("fragment_shorter_than_halo", "CPInputError", ["Head-Tail fragment of 2 tokens", "conv halo (3 tokens)"]),
+    ("head_tail_odd_local_length", "CPInputError", ["Head-Tail order needs an even local sequence length", "got 9",
+                                                    "multiple of 2*cp_size=4"]),
     ("twice", "AlreadyCompiledError", ["already compiled"]),
     ("tp_with_gdn", "UnsupportedError", ["tp_size=2", "Gated DeltaNet", "out of scope"]),
     ("uncovered_gdn", "CoverageError", ["model.layers.1.linear_attn", "not covered"]),
     ("sdpa_method_on_gdn", "CoverageError", ["runs a gdn core", "sdpa"]),
     ("all_gather_triton", "PlanError", ["State-AllGather", "eager"]),
+    ("all_gather_head_tail_triton", "PlanError", ["State-AllGather", "eager"]),
     ("bad_backend", "PlanError", ["backend", "cuda"]),
     ("bad_chunk", "PlanError", ["chunk_size", "positive"]),
 ])

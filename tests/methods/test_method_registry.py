@@ -43,9 +43,13 @@ def test_hybrid_asks_for_its_subgroups_others_for_none():
     assert all(not d for w, d in degrees.items() if "hybrid" not in w)
 
 
-def test_only_sdpa_has_a_head_tail_method():
+def test_sdpa_and_gdn_have_head_tail_methods():
+    """GDN's in Head-Tail order (issue 49) keep the layout's fixed chunks for a packed batch."""
     assert {s.layout for s in methods_of_core("sdpa")} == {"contiguous", "head_tail"}
-    assert {s.layout for s in methods_of_core("gdn")} == {"contiguous"}
+    assert {s.layout for s in methods_of_core("gdn")} == {"contiguous", "head_tail"}
+    assert {s.name for s in methods_of_core("gdn") if s.layout == "head_tail"} == {"p2p_head_tail",
+                                                                                   "all_gather_head_tail"}
+    assert all(s.fixed_chunks == (s.layout == "head_tail") for s in methods_of_core("gdn"))
 
 
 def test_unregistered_method_and_conflicting_registration_are_refused():

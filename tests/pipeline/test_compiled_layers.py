@@ -1,11 +1,12 @@
 """`torch.compile` of checkpointed decoder layers holding CP regions: one graph per layer, no break.
 
 A tiny Qwen3.5 (3 GDN layers under State-P2P, 1 attention layer under SDPA AllGather, sync and
-async) at CP=2 on gloo, fp32, every decoder layer under non-reentrant activation checkpointing and
-compiled on its own (the trainer's `apply_activation_checkpointing` and `compile_layers`, backend
-aot_eager): its logits, loss and every parameter gradient equal the eager CP run's and the CP=1
-reference's, Dynamo captured each layer, its checkpoint and its region's collectives in one graph,
-with no graph break, and the async region's launches stay apart from their waits in that graph.
+async; and both in Head-Tail order) at CP=2 on gloo, fp32, every decoder layer under non-reentrant
+activation checkpointing and compiled on its own (the trainer's `apply_activation_checkpointing` and
+`compile_layers`, backend aot_eager): its logits, loss and every parameter gradient equal the eager
+CP run's and the CP=1 reference's, Dynamo captured each layer, its checkpoint and its region's
+collectives in one graph, with no graph break, and the async region's launches stay apart from
+their waits in that graph.
 """
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ from dist_utils import run_distributed
 from gdn_harness import DECAY_PARAMS, decay_as_close_as_reference, gdn_plan, tiny_qwen3_5, use_reference_gdn
 
 LOCAL_LEN = 12  # GDN chunk 8: a full chunk and a partial one per rank
-# SDPA AllGather, and its async variant (launches early, waits late: the schedule must survive)
-SDPA_WRAPPERS = {"sync": "sdpa_hf", "async": {"_target_": "cpcompile.wrappers.sdpa_hf_async_cp_wrapper"}}
+# (GDN method, SDPA wrapper): State-P2P beside SDPA AllGather, and its async variant (launches early,
+# waits late: the schedule must survive); both in Head-Tail order (one batch order)
+PLANS = {"sync": ("p2p", "sdpa_hf"), "async": ("p2p", {"_target_": "cpcompile.wrappers.sdpa_hf_async_cp_wrapper"}),
+         "head_tail": ("p2p_head_tail", {"_target_": "cpcompile.wrappers.sdpa_hf_load_balance_cp_wrapper"})}
 LAYERS = 4  # tiny_qwen3_5: 3 GDN layers, then an attention layer
 # The first call of a new signature runs eagerly (the regions trace their graphs), the second is
 # compiled, the third must reuse the compiled graphs: no recompile, no break.
@@ -112,17 +115,17 @@ def _errors(got: dict, want: dict) -> dict:
             "missing": sorted(set(want["grads"]) - set(got["grads"]))}
 
 
-def _compiled_vs_eager_per_sdpa_method(rank: int, world: int, seed: int) -> dict:
-    return {name: _compiled_vs_eager(world, seed, wrapper) for name, wrapper in SDPA_WRAPPERS.items()}
+def _compiled_vs_eager_per_plan(rank: int, world: int, seed: int) -> dict:
+    return {name: _compiled_vs_eager(world, seed, *methods) for name, methods in PLANS.items()}
 
 
-def _compiled_vs_eager(world: int, seed: int, sdpa) -> dict:
+def _compiled_vs_eager(world: int, seed: int, gdn: str, sdpa) -> dict:
     import torch._dynamo
 
     import cpcompile
     from cpcompile.trainer.parallelize import compile_layers
 
-    plan = cpcompile.load_plan(gdn_plan(world, "p2p", sdpa=sdpa))
+    plan = cpcompile.load_plan(gdn_plan(world, gdn, sdpa=sdpa))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     batch = random_batch(seed, 2, LOCAL_LEN * world, padded=True)
     local = cpcompile.shard_batch(batch, mesh, plan)
@@ -169,7 +172,7 @@ def test_checkpointed_layers_with_cp_regions_compile_whole_and_exact():
     layer, each a checkpoint holding its region's collectives, none compiled again in the third step,
     no convolution (the GDN conv inlined as its taps); the async attention layer's graph keeps compute
     between launches and their waits, the sync one's none."""
-    for per_method in run_distributed(_compiled_vs_eager_per_sdpa_method, 2, random.randrange(1 << 30), timeout=300):
+    for per_method in run_distributed(_compiled_vs_eager_per_plan, 2, random.randrange(1 << 30), timeout=300):
         for result in per_method.values():
             _check(result)
         assert per_method["sync"]["overlapped"] == 0 < per_method["async"]["overlapped"], per_method

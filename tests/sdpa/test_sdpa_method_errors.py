@@ -99,18 +99,53 @@ def test_head_tail_with_contiguous_method_is_refused(contiguous):
         assert word in str(err.value), f"{word!r} not in {err.value}"
 
 
-def test_head_tail_with_gdn_is_refused():
+def test_head_tail_with_contiguous_gdn_is_refused():
+    """A contiguous GDN method beside SDPA Head-Tail: one batch has one order (the message of any
+    contiguous method beside Head-Tail)."""
+    from cpcompile.adapters.qwen3_5 import qwen3_5_gdn_p2p_cp_wrapper
     from cpcompile.plan import sequence_layout
-    from cpcompile.methods import CPMethod
     from cpcompile.wrappers import sdpa_hf_load_balance_cp_wrapper
 
-    gdn = CPMethod(name="ulysses", core="gdn", wrapper="gdn_ulysses_wrapper")
-    overrides = _overrides(("*.linear_attn", gdn), ("*.self_attn", sdpa_hf_load_balance_cp_wrapper()))
+    overrides = _overrides(("*.linear_attn", qwen3_5_gdn_p2p_cp_wrapper()),
+                           ("*.self_attn", sdpa_hf_load_balance_cp_wrapper()))
     with pytest.raises(ValueError) as err:
         sequence_layout(overrides)
     for word in ("plan_overrides[0].inner_wrapper", "*.linear_attn", "plan_overrides[1].inner_wrapper",
-                 "*.self_attn", "GDN needs the contiguous sequence order"):
+                 "*.self_attn", "contiguous sequence order", "head-tail", "one batch has one order"):
         assert word in str(err.value), f"{word!r} not in {err.value}"
+
+
+def test_head_tail_gdn_with_contiguous_sdpa_is_refused():
+    from cpcompile.adapters.qwen3_5 import qwen3_5_gdn_p2p_head_tail_cp_wrapper
+    from cpcompile.plan import sequence_layout
+    from cpcompile.wrappers import sdpa_hf_cp_wrapper
+
+    overrides = _overrides(("*.linear_attn", qwen3_5_gdn_p2p_head_tail_cp_wrapper()),
+                           ("*.self_attn", sdpa_hf_cp_wrapper()))
+    with pytest.raises(ValueError) as err:
+        sequence_layout(overrides)
+    for word in ("plan_overrides[1].inner_wrapper", "*.self_attn", "plan_overrides[0].inner_wrapper",
+                 "*.linear_attn", "contiguous sequence order", "one batch has one order"):
+        assert word in str(err.value), f"{word!r} not in {err.value}"
+
+
+def test_head_tail_gdn_beside_head_tail_sdpa_is_one_plan():
+    """GDN in Head-Tail order (either method) and SDPA Head-Tail: one layout, and a packed batch
+    keeps the two fixed chunks (`Plan.cuts_documents`)."""
+    from cpcompile.adapters.qwen3_5 import (
+        qwen3_5_gdn_all_gather_head_tail_cp_wrapper, qwen3_5_gdn_p2p_head_tail_cp_wrapper,
+    )
+    from cpcompile.plan import AcceleratorConfig, Override, Plan
+    from cpcompile.wrappers import sdpa_hf_load_balance_cp_wrapper
+
+    def plan(*methods):
+        return Plan(AcceleratorConfig(cp_size=2), tuple(
+            Override(match=f"m{i}", when="cp", region_dispatch=False, method=m) for i, m in enumerate(methods)))
+
+    for gdn in (qwen3_5_gdn_p2p_head_tail_cp_wrapper(), qwen3_5_gdn_all_gather_head_tail_cp_wrapper()):
+        both = plan(gdn, sdpa_hf_load_balance_cp_wrapper()).validate()
+        assert both.layout() == "head_tail" and not both.cuts_documents()
+    assert plan(sdpa_hf_load_balance_cp_wrapper()).validate().cuts_documents()
 
 
 def test_head_tail_alone_or_other_methods_alone_are_accepted():

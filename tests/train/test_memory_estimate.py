@@ -22,15 +22,15 @@ def model():
     return meta_model(MODEL)
 
 
-def _config(cp: int, seq_len: int, loss: str, ac: str = "every_layer", sdpa: str = "sdpa_hf", device: str = "cpu",
-            **switches):
+def _config(cp: int, seq_len: int, loss: str, ac: str = "every_layer", sdpa="sdpa_hf", device: str = "cpu",
+            gdn: str = "p2p", **switches):
     from trainer_gpu import config
 
     from cpcompile.trainer import load_train_config
 
     args = argparse.Namespace(cp=cp, steps=3, seq_len=seq_len, small=False, device=device, loss_chunk_tokens=4096,
                               gdn_backend=None, **{"compile_backend": None, **switches})
-    return load_train_config(config(args, loss, ac, sdpa))
+    return load_train_config(config(args, loss, ac, sdpa, gdn))
 
 
 def test_parameters_counted_from_the_config_are_the_models(model):
@@ -257,3 +257,37 @@ def test_the_longest_length_that_fits_is_where_the_estimate_crosses_the_budget(m
         at, past = (total_at_length(config, params, model.config, n) for n in (longest[name], longest[name] + 1))
         assert at <= 139.8 < past, name
     assert longest["plain"] < longest["around"] < longest["both"], longest
+
+
+def test_the_dry_run_names_the_rank_imbalance(model):
+    """Per CP rank (trainer/balance.py): under SDPA AllGather the last rank's attention grows with its
+    place; the expected step-time ratios meet the four H200 measurements of issue 49 within 5%
+    (FLOPs weighted by the fit of that module). SDPA Head-Tail with GDN in Head-Tail order, or
+    Ulysses, give every rank the same work."""
+    from cpcompile.trainer.balance import describe_imbalance, imbalance
+
+    params = sum(p.numel() for p in model.parameters())
+    for cp, tokens, measured in ((8, 512 * K, 4.4), (8, 1024 * K, 6.3), (16, 512 * K, 5.3), (16, 1024 * K, 8.3)):
+        found = imbalance(_config(cp, tokens, "chunked"), params, model.config)
+        assert (found.busiest, found.idlest) == (cp - 1, 0) and found.flops > found.time, found
+        assert abs(found.time / measured - 1) < 0.05, (cp, tokens, found)
+    head_tail = _config(8, 512 * K, "chunked", sdpa={"_target_": "cpcompile.wrappers.sdpa_hf_load_balance_cp_wrapper"},
+                        gdn="p2p_head_tail")
+    assert imbalance(head_tail, params, model.config).time == pytest.approx(1.0)
+    assert imbalance(_config(8, 512 * K, "chunked", sdpa="sdpa_hf_ulysses"), params, model.config).time == \
+        pytest.approx(1.0)
+    line = describe_imbalance(_config(8, 512 * K, "chunked"), params, model.config)
+    assert "busiest CP rank 7 / least busy rank 0 = 4.41x expected step time (9.10x FLOPs" in line, line
+
+
+def test_head_tail_gdn_adds_its_gradient_copy_to_the_core_backward(model):
+    """GDN in Head-Tail order (beside SDPA Head-Tail: one batch order) holds the fragments' input
+    gradients beside their concatenation (memory.gdn_head_tail_backward_bytes): a GDN layer's
+    backward peak grows by at most that, here by some (its core's moment passes its MLP's)."""
+    from cpcompile.trainer.memory import _ElementSizes, gdn_head_tail_backward_bytes, layer_peak_bytes
+
+    text, sizes = model.config.get_text_config(), _ElementSizes(4, 2, 4)
+    peak = {sdpa: layer_peak_bytes(text, "linear_attention", sizes, 8, sdpa, "checkpointed")
+            for sdpa in ("all_gather", "head_tail")}
+    grown = peak["head_tail"] - peak["all_gather"]
+    assert 0 < grown <= gdn_head_tail_backward_bytes(text, sizes), (peak, grown)

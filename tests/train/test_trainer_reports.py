@@ -1,5 +1,6 @@
 """What the trainer reports: only global rank 0 logs (step lines with loss, grad-norm, lr,
-tokens/s, step time; a summary; JSONL); `--dry-run` prints mesh, coverage and a memory estimate;
+tokens/s, step time; a summary; JSONL); `--dry-run` prints mesh, coverage, a memory estimate and
+the CP ranks' expected imbalance;
 FSDP2 mixed precision runs with activation checkpointing;
 a non-finite loss or gradient norm stops the run naming the step; a text/JSONL file is read
 with the byte-level tokenizer, one document per row."""
@@ -54,7 +55,8 @@ def test_rank_0_logs_steps_a_summary_and_jsonl_and_dry_run_reports(tmp_path):
     written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["loss"] for r in written] == [r["loss"] for r in rank0["records"]]
     assert rank0["dry"][0].startswith("mesh: ") and "plan coverage: 2 region(s)" in rank0["dry"][1], rank0["dry"]
-    assert "memory estimate" in rank0["dry"][-1], rank0["dry"]
+    assert "memory estimate" in rank0["dry"][-2], rank0["dry"]
+    assert "rank balance" in rank0["dry"][-1] and "busiest CP rank 1 / least busy rank 0" in rank0["dry"][-1]
     assert [name for name, _ in rank0["regions"]] == ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     # FSDP2 mixed precision (bf16 compute, fp32 reduce) with activation checkpointing: the same
     # losses as float32 to bf16 accuracy (worst relative gap 1.8e-3 in 30 fresh seeds)

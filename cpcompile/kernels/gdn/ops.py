@@ -4,6 +4,7 @@
     gdn_summary(k, v, g, beta, chunk_size, "eager", starts?) -> (M, S)      # H_out = M @ H_in + S
     gdn_p2p_chunk(q, k, v, g, beta, scale, chunk_size, group_name, rank, world) -> (o, H_in)
                                                  # triton State-P2P: one rank's core and its chain
+    gdn_p2p_head_tail_chunk(...same...) -> (o, H_in)  # the same in Head-Tail order, fragments folded
 
 q and k arrive already L2-normalised (the layer does that in the graph), g is the log decay,
 beta the write strength; layouts as in `cpcompile.kernels.gdn.eager`. `starts [B, T]` (bool, or
@@ -14,7 +15,7 @@ and differentiate like ATen ops.
 
 Backends: `eager` runs the pure-PyTorch oracle (backward: recompute under `torch.func.vjp`);
 `triton` runs cpcompile's Triton kernels forward and backward (`triton.backend`, and
-`triton.p2p_executor` for `gdn_p2p_chunk`), with
+`triton.p2p_executor` for `gdn_p2p_chunk`, `triton.head_tail_executor` for its Head-Tail twin), with
 the capability check at region build (`require_backend`), at trace time (fake impls) and at run
 time — never a fallback. Triton is imported only when the triton backend is used.
 """
@@ -244,7 +245,7 @@ def gdn_p2p_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
 
 
 @gdn_p2p_chunk.register_fake
-def _(q, k, v, g, beta, scale, chunk_size, group_name, rank, world):
+def _p2p_chunk_fake(q, k, v, g, beta, scale, chunk_size, group_name, rank, world):
     _check_triton(q, k, v, g, beta, None, chunk_size)
     state_shape = [k.shape[0], v.shape[2], k.shape[3], v.shape[3]]
     return v.new_empty(v.shape, dtype=q.dtype), k.new_empty(state_shape, dtype=torch.float32)
@@ -279,3 +280,51 @@ def _p2p_grad(ctx, grad_out, _grad_h_in):
 
 
 gdn_p2p_chunk.register_autograd(_p2p_grad, setup_context=_p2p_setup)
+
+
+# --------------------------------------------------------------------------- gdn_p2p_head_tail_chunk (triton)
+#
+# State-P2P in Head-Tail order (`passes/gdn/p2p_head_tail.py`): the rank's two fragments come
+# folded into the batch, `[2B, c, ...]`, heads' rows first; one op for the same reason as above.
+
+
+@torch.library.custom_op("cpcompile::gdn_p2p_head_tail_chunk", mutates_args=())
+def gdn_p2p_head_tail_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: float, chunk_size: int,
+                            group_name: str, rank: int, world: int) -> tuple[Tensor, Tensor]:
+    """-> (o, H_in): both fragments' core output and the fp32 states that entered them (folded)."""
+    from .triton.head_tail_executor import head_tail_forward
+
+    return without_autocast(head_tail_forward)(q, k, v, g, beta, scale, chunk_size, _ring(group_name, rank, world))
+
+
+@gdn_p2p_head_tail_chunk.register_fake
+def _(q, k, v, g, beta, scale, chunk_size, group_name, rank, world):
+    if k.shape[0] % 2:
+        raise CPInputError(f"gdn_p2p_head_tail_chunk takes a rank's two fragments folded into the batch; "
+                           f"got an odd batch of {k.shape[0]}")
+    return _p2p_chunk_fake(q, k, v, g, beta, scale, chunk_size, group_name, rank, world)
+
+
+@torch.library.custom_op("cpcompile::gdn_p2p_head_tail_chunk_backward", mutates_args=())
+def gdn_p2p_head_tail_chunk_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
+                                     h_in: Tensor, scale: float, chunk_size: int, group_name: str, rank: int,
+                                     world: int) -> list[Tensor]:
+    from .triton.head_tail_executor import head_tail_backward
+
+    return head_tail_backward(grad_out, q, k, v, g, beta, h_in, scale, chunk_size, _ring(group_name, rank, world))
+
+
+@gdn_p2p_head_tail_chunk_backward.register_fake
+def _(grad_out, q, k, v, g, beta, h_in, scale, chunk_size, group_name, rank, world):
+    return [_like(x) for x in (q, k, v, g, beta)]
+
+
+def _p2p_head_tail_grad(ctx, grad_out, _grad_h_in):
+    q, k, v, g, beta, h_in = ctx.saved_tensors
+    if grad_out is None:  # still exchange the state gradients: the neighbours wait for them
+        grad_out = torch.zeros(v.shape, dtype=q.dtype, device=v.device)
+    grads = gdn_p2p_head_tail_chunk_backward(grad_out, q, k, v, g, beta, h_in, *ctx.config)
+    return (*grads, None, None, None, None, None)
+
+
+gdn_p2p_head_tail_chunk.register_autograd(_p2p_head_tail_grad, setup_context=_p2p_setup)

@@ -45,7 +45,14 @@ def local_summary(emit: Emitter, match: GdnMatch) -> tuple[fx.Node, fx.Node]:
     """This rank's `(M, S)`; with a document start in its block M is 0 and S the state after the
     last start, so the state chain carries on only that (the kernel zeroes decay across starts)."""
     _, k, v, g, beta = match.inputs
-    extra = () if match.starts is None else (match.starts,)
+    return summary_of(emit, match, k, v, g, beta, match.starts)
+
+
+def summary_of(emit: Emitter, match: GdnMatch, k: fx.Node, v: fx.Node, g: fx.Node, beta: fx.Node,
+               starts: fx.Node | None) -> tuple[fx.Node, fx.Node]:
+    """`(M, S)` of a segment given as token tensors (each batch row a segment of its own), with the
+    core's chunk size and backend."""
+    extra = () if starts is None else (starts,)
     return summary_parts(emit, emit(GDN_SUMMARY, k, v, g, beta, match.chunk_size, match.backend, *extra))
 
 

@@ -9,7 +9,7 @@ import torch.fx as fx
 
 from ...errors import CPInputError
 from ...kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
-from ...methods import MethodSpec
+from ...methods import CONTIGUOUS, MethodSpec
 from ..graph_utils import CoreMatch
 
 aten = torch.ops.aten
@@ -83,6 +83,17 @@ def _conv_left_pad(gm: fx.GraphModule) -> tuple[fx.Node, int]:
     return pad, left
 
 
+def conv_args(conv: fx.Node) -> tuple:
+    """(input, weight, bias, stride, padding, dilation, groups) of `aten.conv1d` or
+    `aten.convolution` (transposed: groups reported as 0, so never depthwise)."""
+    if conv.target is aten.conv1d.default:
+        defaults = (None, None, None, [1], [0], [1], 1)
+        args = tuple(conv.args) + defaults[len(conv.args):]
+        return args[:7]
+    x, w, b, stride, padding, dilation, transposed, _, groups = conv.args
+    return x, w, b, stride, padding, dilation, 0 if transposed else groups
+
+
 def find_gdn_cores(gm: fx.GraphModule) -> list[GdnMatch]:
     cores = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is GDN_CHUNK]
     if not cores:
@@ -93,7 +104,9 @@ def find_gdn_cores(gm: fx.GraphModule) -> list[GdnMatch]:
     return [GdnMatch(cores[0], pad, halo)]
 
 
-def gdn_method(name: str, rewrite) -> MethodSpec:
+def gdn_method(name: str, rewrite, layout: str = CONTIGUOUS) -> MethodSpec:
     """The spec of a GDN method: its core is one `cpcompile::gdn_chunk` node. The region adapter is
-    the model's: its wrappers name it (`adapter` parameter)."""
-    return MethodSpec(core=CORE, name=name, find=find_gdn_cores, rewrite=rewrite)
+    the model's: its wrappers name it (`adapter` parameter). In Head-Tail order a rank's fragments
+    are the layout's two chunks, packed batch or not (`CPMethod.fixed_chunks`)."""
+    return MethodSpec(core=CORE, name=name, find=find_gdn_cores, rewrite=rewrite, layout=layout,
+                      fixed_chunks=layout != CONTIGUOUS)

@@ -2,9 +2,10 @@
 
 Every method first gives the causal conv its true left context (`fill_conv_halo`): the last
 `kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad, and a
-traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`). Then the
-method rewrites the core: Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
-(`all_gather.py`).
+traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`); in
+Head-Tail order each of a rank's two fragments gets its own (`head_tail.fill_head_tail_conv_halo`).
+Then the method rewrites the core: Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
+(`all_gather.py`), and in Head-Tail order `p2p_head_tail.py`, `all_gather_head_tail.py`.
 """
 from __future__ import annotations
 
@@ -14,11 +15,12 @@ import torch.fx as fx
 from ...context import PassContext
 from ...errors import CPInputError
 from ...kernels.gdn.conv import causal_conv
-from ...methods import method_spec
+from ...methods import HEAD_TAIL, method_spec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
 from .fragments import PASS
-from .match import CONV_OPS, CORE, GdnMatch
+from .head_tail import fill_head_tail_conv_halo
+from .match import CONV_OPS, CORE, GdnMatch, conv_args
 
 aten = torch.ops.aten
 
@@ -28,9 +30,12 @@ def gdn_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
         return gm
     spec = method_spec(ctx.method)  # each method registers its rewrite in its own file
     for match in spec.find(gm):
-        history = fill_conv_halo(gm, match, ctx)
-        for conv in [user for user in history.users if user.target in CONV_OPS]:
-            conv_for_compile(gm, conv)
+        if ctx.method.layout == HEAD_TAIL:  # two fragments a rank: a halo and a conv each
+            fill_head_tail_conv_halo(gm, match, ctx)
+        else:
+            history = fill_conv_halo(gm, match, ctx)
+            for conv in [user for user in history.users if user.target in CONV_OPS]:
+                conv_for_compile(gm, conv)
         spec.rewrite(gm, match, ctx)
         ctx.cores_rewritten += 1
     gm.graph.lint()
@@ -67,7 +72,7 @@ def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
     conv, or one traced with keyword arguments, is left as traced."""
     if conv.kwargs:
         return
-    history, weight, bias, stride, padding, dilation, groups = _conv_args(conv)
+    history, weight, bias, stride, padding, dilation, groups = conv_args(conv)
     depthwise = weight is not None and val(weight).shape[1] == 1 and groups == val(history).shape[1]
     if not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
         return
@@ -77,14 +82,4 @@ def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
     conv.replace_all_uses_with(call)
     gm.graph.erase_node(conv)
 
-
-def _conv_args(conv: fx.Node) -> tuple:
-    """(input, weight, bias, stride, padding, dilation, groups) of `aten.conv1d` or
-    `aten.convolution` (transposed: groups reported as 0, so never depthwise)."""
-    if conv.target is aten.conv1d.default:
-        defaults = (None, None, None, [1], [0], [1], 1)
-        args = tuple(conv.args) + defaults[len(conv.args):]
-        return args[:7]
-    x, w, b, stride, padding, dilation, transposed, _, groups = conv.args
-    return x, w, b, stride, padding, dilation, 0 if transposed else groups
 

@@ -211,13 +211,14 @@ def fwd_state(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, h0: Tensor | None, st
     return hbuf, vnbuf, ht
 
 
-def p2p_summary_pass(k: Tensor, w: Tensor, u: Tensor, gc: Tensor):
+def p2p_summary_pass(k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hstride: int | None = None):
     """The zero-state pass and the group transitions of a State-P2P summary (``gdn_p2p_summary_kernel``)
     -> (hbuf [B,NG,Hv,K,K+V] with ``h0`` of every ``p2p_hstride``-th chunk in ``[..., K:]``, ht fp32
     [B,Hv,K,K+V] with ``S`` in ``[..., K:]``, gbuf fp32 [B,NG,Hv,K,K] the group transitions);
-    ``p2p_chain`` fills the identity parts."""
+    ``p2p_chain`` fills the identity parts. ``hstride`` overrides ``p2p_hstride`` (for a caller that
+    runs the output on some rows at a time: both must use one stride)."""
     B, T, Hk, Hv, K, V, NT = _dims(k, u)
-    HS = p2p_hstride(B, Hv, V, NT, k.dtype, k.device)
+    HS = hstride or p2p_hstride(B, Hv, V, NT, k.dtype, k.device)
     NG = triton_cdiv(NT, HS)
     BV, BVI = _state_bv("p2p_summary", K, V), min(P2P_IDENTITY_BV, K)
     hbuf = torch.empty(B, NG, Hv, K, K + V, device=k.device, dtype=k.dtype)
@@ -253,13 +254,14 @@ def fwd_output(q: Tensor, k: Tensor, gc: Tensor, hbuf: Tensor, vnbuf: Tensor, sc
 
 
 def p2p_output(q: Tensor, k: Tensor, w: Tensor, u: Tensor, gc: Tensor, hbuf: Tensor, h_in: Tensor,
-               scale: float) -> Tensor:
+               scale: float, hstride: int | None = None) -> Tensor:
     """Output from the summary's states ``hbuf`` (``[P | h0]`` of every ``p2p_hstride``-th
-    chunk), prepare's ``w``, ``u`` and the incoming state ``h_in`` fp32 [B,Hv,K,V]."""
+    chunk, or every ``hstride``-th: the summary's), prepare's ``w``, ``u`` and the incoming state
+    ``h_in`` fp32 [B,Hv,K,V]."""
     B, T, Hk, K = q.shape
     Hv, V = u.shape[2], u.shape[3]
     NT = triton_cdiv(T, CHUNK_SIZE)
-    HS = p2p_hstride(B, Hv, V, NT, q.dtype, q.device)
+    HS = hstride or p2p_hstride(B, Hv, V, NT, q.dtype, q.device)
     if hbuf.shape[1] != triton_cdiv(NT, HS):
         raise CPInputError(f"GDN State-P2P: the summary stored {hbuf.shape[1]} states for {NT} chunks, but "
                          f"the output's stride is {HS} chunks: summary and output must run with the same setting")
@@ -385,7 +387,7 @@ def gdn_bwd(q, k, v, g, beta, h0, gc, w, u, tinv, do, dht, scale, qk_grad_dtype=
 # ----------------------------------------------------------------------------- State-P2P pieces
 
 
-def p2p_fwd_summary(k, v, g, beta, store_tinv: bool = False):
+def p2p_fwd_summary(k, v, g, beta, store_tinv: bool = False, hstride: int | None = None):
     """Everything of a rank's forward that does not need the incoming state, plus its summary.
 
     -> (M fp32 [B,Hv,K,K], S fp32 [B,Hv,K,V], saved = (gc, w, u, tinv, hbuf)) where
@@ -396,16 +398,17 @@ def p2p_fwd_summary(k, v, g, beta, store_tinv: bool = False):
     """
     K = k.shape[-1]
     gc, w, u, tinv = fwd_prepare(k, v, g, beta, store_tinv)
-    hbuf, ht, gbuf = p2p_summary_pass(k, w, u, gc)
+    hbuf, ht, gbuf = p2p_summary_pass(k, w, u, gc, hstride)
     p2p_chain(gbuf, hbuf, ht)
     M, S = ht[..., :K], ht[..., K:]
     return M, S, (gc, w, u, tinv, hbuf)
 
 
-def p2p_fwd_output(q, k, saved, h_in: Tensor, scale: float) -> Tensor:
-    """Output of the rank given its incoming state ``h_in`` (fp32 [B,Hv,K,V])."""
+def p2p_fwd_output(q, k, saved, h_in: Tensor, scale: float, hstride: int | None = None) -> Tensor:
+    """Output of the rank given its incoming state ``h_in`` (fp32 [B,Hv,K,V]); ``hstride`` as the
+    summary's."""
     gc, w, u, _, hbuf = saved
-    return p2p_output(q, k, w, u, gc, hbuf, h_in.float().contiguous(), scale)
+    return p2p_output(q, k, w, u, gc, hbuf, h_in.float().contiguous(), scale, hstride)
 
 
 def p2p_bwd_summary(q, k, w, gc, do, scale):
