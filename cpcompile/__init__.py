@@ -8,7 +8,7 @@
 """
 from .batch import shard_batch, unshard
 from .errors import (
-    AlreadyCompiledError, CoverageError, CPCompileError, CPConfigError, CPInputError, GDNCapabilityError,
+    AlreadyCompiledError, CheckpointError, CoverageError, CPCompileError, CPConfigError, CPInputError, GDNCapabilityError,
     MissingDependencyError, NonFiniteError, PlanError, UnsupportedError, UnsupportedMaskError, VerificationError,
 )
 from .loss import all_reduce_gradients, global_mean_loss
@@ -20,7 +20,7 @@ from .pipeline import compile
 from .plan import AcceleratorConfig, Override, Plan, load_plan
 
 __all__ = [
-    "AcceleratorConfig", "AlreadyCompiledError", "CPCompileError", "CPConfigError", "CPInputError", "CPMesh",
+    "AcceleratorConfig", "AlreadyCompiledError", "CPCompileError", "CheckpointError", "CPConfigError", "CPInputError", "CPMesh",
     "CPMethod", "CoverageError", "GDNCapabilityError", "MissingDependencyError", "NonFiniteError", "Override", "Plan", "PlanError",
     "UnsupportedError", "UnsupportedMaskError", "VerificationError", "all_reduce_gradients", "allow_wrapper_module",
     "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "local_compute_fn", "primitives",

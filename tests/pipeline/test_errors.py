@@ -21,6 +21,7 @@ BUILTIN_BASE = {
     "VerificationError": RuntimeError,
     "MissingDependencyError": ImportError,
     "NonFiniteError": FloatingPointError,
+    "CheckpointError": RuntimeError,
 }
 
 
@@ -46,6 +47,7 @@ def test_mask_error_is_an_input_error():
     errors.CPInputError("heads"),
     errors.PlanError("accelerator.cp_size", "x" * 10_000),  # clipped, and still the same after pickling
     errors.VerificationError("train.verify: step 2: off"),
+    errors.CheckpointError("checkpoint ckpt/step-4: disk full"),
     errors.MissingDependencyError("pip install cpcompile[train]"),
     errors.NonFiniteError("model.layers.0.linear_attn: the CP region's forward output has NaN or Inf"),
 ])
