@@ -121,7 +121,7 @@ def triton_allocations_only():
 
 
 def text_config(raw: dict):
-    from cpcompile.trainer.config import model_config
+    from cpcompile.trainer.hf_config import model_config
 
     config = model_config(raw)
     config._attn_implementation = "sdpa"

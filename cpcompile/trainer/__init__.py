@@ -1,6 +1,7 @@
 """`cpcompile train`: a causal-LM trainer on PyTorch's own parts, one module per concern.
 
 - `config`: the YAML (model, train, optimizer, data, checkpoint + the CP plan), field-path errors;
+- `hf_config`: the `model:` section as a transformers config; transformers, imported when first needed;
 - `data`: the global token stream, split over data-parallel replicas;
 - `parallelize`: the model, then TP, CP rewrite, activation checkpointing, torch.compile, FSDP2 over dp_shard x cp;
 - `weights`: pretrained weights from a local Hugging Face folder, each rank reading its own slices;
@@ -13,7 +14,8 @@
 It needs transformers: `pip install "cpcompile[train]"`. The YAML is documented in `config.py`
 and docs/trainer.md.
 """
-from .config import TrainConfig, TrainSettings, load_train_config, model_config
+from .config import TrainConfig, TrainSettings, load_train_config
+from .hf_config import model_config
 from .loop import dry_run, train
 
 __all__ = ["TrainConfig", "TrainSettings", "load_train_config", "model_config", "train", "dry_run"]

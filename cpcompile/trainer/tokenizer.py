@@ -14,6 +14,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..errors import PlanError, short_repr
+from .hf_config import transformers_module
 
 if TYPE_CHECKING:
     from .config import DataSettings
@@ -102,8 +103,6 @@ def check_tokenizer_folder(folder: str) -> None:
 
 
 def _load(folder: str):
-    from .config import transformers_module  # config imports this module's checks
-
     transformers = transformers_module()
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)
