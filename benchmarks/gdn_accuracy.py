@@ -54,18 +54,18 @@ def oracle(xs, do):
 @contextlib.contextmanager
 def dot_precision(prec):
     """Every kernel launched inside runs its fp32 x fp32 dots at ``prec``."""
-    from cpcompile.kernels.gdn.triton import launch as L
+    from cpcompile.kernels.gdn.triton import launching as L
 
-    saved = L._flags
+    saved = L.flags
 
     def flags(dtype):
         out = saved(dtype)
         return {**out, "PREC": prec} if not out["UPCAST"] else out
-    L._flags = flags
+    L.flags = flags
     try:
         yield
     finally:
-        L._flags = saved
+        L.flags = saved
 
 
 def two_op_order(xs, do):

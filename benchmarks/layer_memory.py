@@ -17,8 +17,8 @@ what does not grow with the length drops out), as memory.py names them:
   gradients in flight (the incoming one included) and the kernels' buffers.
 
 GDN runs cpcompile's Triton core as on a GPU (`gdn_backend: triton`), its kernels skipped
-(`triton_allocations_only`): every buffer kernels/gdn/triton/launch.py allocates is allocated and
-counted; no kernel runs, so the values are garbage and the bytes exact. Attention runs PyTorch's
+(`triton_allocations_only`): every buffer the launchers in kernels/gdn/triton/ allocate is allocated
+and counted; no kernel runs, so the values are garbage and the bytes exact. Attention runs PyTorch's
 CPU flash kernel, whose outputs (the output, its log-sum-exp; dq, dk, dv) are the CUDA kernel's
 sizes, but laid out [B, H, T, D]: `expected_layer_bytes` adds the copy that costs on CPU.
 
@@ -110,14 +110,14 @@ def _custom_op_function(func):
 def triton_allocations_only():
     """cpcompile's Triton GDN launch code with every kernel launch skipped: it allocates what it
     allocates on a GPU (on CPU: the interpreter's device checks pass with TRITON_INTERPRET=1)."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launching
 
-    real = launch._launch
-    launch._launch = lambda kernel, grid, *args, **options: None
+    real = launching.launch
+    launching.launch = lambda kernel, grid, *args, **options: None
     try:
         yield
     finally:
-        launch._launch = real
+        launching.launch = real
 
 
 def text_config(raw: dict):

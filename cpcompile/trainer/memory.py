@@ -53,7 +53,7 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   intermediate-width gradients in flight and the incoming one: saved + 2 x intermediate x c +
   h x c. Then the core's: what the ops before the core saved, the gradients in flight (the GDN
   core output's in float, dz, the residual's) and the core's buffers: GDN's Triton backward
-  (`gdn_core_backward_bytes`, counted from kernels/gdn/triton/launch.py: the q/k/v/do casts and
+  (`gdn_core_backward_bytes`, counted from kernels/gdn/triton/ launchers: the q/k/v/do casts and
   copies, gc, w, u, the (I + A)^-1 rows, and the most of its three phases: the recomputed chunk
   states and their gradients, one K x V state in c per 64 tokens and head each, then the per
   value head dq/dk/dw, then dv and the float dq/dk; in Head-Tail order one more copy of its input

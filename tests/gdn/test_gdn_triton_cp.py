@@ -67,9 +67,9 @@ def use_core(holder: LayerHolder, backend: str) -> LayerHolder:
 
 
 def _interpreted_kernels() -> bool:
-    from cpcompile.kernels.gdn.triton import kernels
+    from cpcompile.kernels.gdn.triton import prepare
 
-    return type(kernels.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"
+    return type(prepare.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"
 
 
 def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len: int, dtype, seed: int,

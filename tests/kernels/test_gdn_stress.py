@@ -72,11 +72,11 @@ def test_triton_core_as_accurate_as_eager(regime, layout):
 @pytest.mark.skipif(not INTERPRET, reason="CPU interpreter set (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("regime", HARDEST_REGIMES, ids=[str(r) for r in HARDEST_REGIMES])
 def test_substitution_inverse_as_accurate_as_eager(monkeypatch, regime):
-    """The blocked forward-substitution inverse (``launch.INVERSE_BLOCK = 16``), the alternative to
+    """The blocked forward-substitution inverse (``prepare.INVERSE_BLOCK = 16``), the alternative to
     the default recursive doubling."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import prepare
 
-    monkeypatch.setattr(launch, "INVERSE_BLOCK", 16)
+    monkeypatch.setattr(prepare, "INVERSE_BLOCK", 16)
     seed = 7 + HARDEST_REGIMES.index(regime)
     layout = LAYOUTS["partial-grouped-h0"]
     _as_accurate_as_eager(stress_case(regime, layout, seed), "cpu", f"{regime} substitution")

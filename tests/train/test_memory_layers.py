@@ -51,7 +51,7 @@ def test_a_layers_kept_bytes_and_backward_peak_are_what_it_holds(text, kind, che
 
 def test_the_gdn_core_backward_buffers_are_the_triton_launch_codes(text, bf16):
     """The core's moment, which the MLP's outgrows at these widths, counted on its own: the
-    buffers kernels/gdn/triton/launch.py allocates, and all the layer holds meanwhile."""
+    buffers the launchers in kernels/gdn/triton/ allocate, and all the layer holds meanwhile."""
     from cpcompile.trainer import memory
 
     got = _measured(text, "linear_attention", "checkpointed")
