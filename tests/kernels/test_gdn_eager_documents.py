@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from cpcompile.errors import CPInputError
-from cpcompile.kernels.gdn.eager import (
-    chunk_gated_delta_rule_eager, gdn_segment_summary, naive_recurrent_gated_delta_rule,
-)
+from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager, gdn_segment_summary
+from cpcompile.kernels.gdn.naive import naive_recurrent_gated_delta_rule
 from test_gdn_eager import make_inputs, rel_err
 
 

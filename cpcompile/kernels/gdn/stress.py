@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from .api import chunk_gated_delta_rule
-from .eager import naive_recurrent_gated_delta_rule
+from .naive import naive_recurrent_gated_delta_rule
 
 # 0: randn; 0.75: uniform [0, 1) entries, like post-SiLU keys; 0.95: nearly repeated keys
 KEY_COSINES = (0.0, 0.5, 0.75, 0.95)
