@@ -1,6 +1,6 @@
 """The GDN cores where an unstable chunk inverse fails: correlated keys and weak decay.
 
-Every regime of ``cpcompile.kernels.gdn.stress`` (key cosine 0 / 0.5 / 0.75 / 0.95 x gate scale
+Every regime of ``gdn_stress`` (beside this file) (key cosine 0 / 0.5 / 0.75 / 0.95 x gate scale
 0 / 0.01 / 0.1 / 1) in the layouts where a chunk inverse fails (one chunk; a partial chunk with
 grouped heads, batch 2 and an initial state), and the hardest regimes and one easy one in the
 longer layouts (1000 tokens; packed documents through ``cu_seqlens``; they add the state carried
@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cpcompile.kernels.gdn.stress import (  # noqa: E402
+from gdn_stress import (  # noqa: E402
     KEY_COSINES, REGIMES, Layout, Regime, cpcompile_core, mean_key_cosine, relative_errors, run_core, stress_case,
     stress_inputs)
 
