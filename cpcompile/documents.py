@@ -38,7 +38,7 @@ class DocumentFeed:
     """The position ids of the compiled model's current call when its batch is packed (None when
     not), for regions whose own call lacks them (GDN), and the global positions of a per-document
     Head-Tail batch's tokens (None for any other), which the Head-Tail SDPA regions read off their
-    own call and check against (`pipeline.InstalledRegion`). Set by the model's pre-hook on every
+    own call and check against (`installed_region.InstalledRegion`). Set by the model's pre-hook on every
     call.
 
     Under CP only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must

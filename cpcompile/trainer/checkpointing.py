@@ -21,7 +21,7 @@ and whether an op is replayed depends only on which op it is (`selective_policy`
 tensor, no rank), so every rank issues the same collectives in the same order: they match.
 Under `selective` the collectives' outputs come from the saved ones and the replay issues none
 (see `selective_policy`). A region that traces a new input signature inside a selective forward
-does so with the checkpoint's dispatch modes set aside (`pipeline._saving_nothing_for_checkpoints`),
+does so with the checkpoint's dispatch modes set aside (`installed_region._saving_nothing_for_checkpoints`),
 so the trace's ops are not taken for the layer's.
 """
 from __future__ import annotations

@@ -176,9 +176,9 @@ def test_the_symbolic_trace_tells_each_read_of_the_length(kind, what):
 
 def test_length_audit_is_shared_only_by_alike_modules_and_calls():
     """The local-length audit's finding is reused for a module and call alike but for the layer number
-    and the length (`pipeline.module_identity`, `length_free_signature`), never across a difference
+    and the length (`installed_region.module_identity`, `length_free_signature`), never across a difference
     that can change what the code reads (Llama-4's `use_rope`, its config, a parameter shape, another batch)."""
-    from cpcompile.pipeline import length_free_signature, module_identity
+    from cpcompile.installed_region import length_free_signature, module_identity
     from cpcompile.region import flatten_call
 
     class Attention(torch.nn.Module):
