@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CPCompileError
-from ..plan import check_size
+from ..yaml_input import check_size
 from .config import check_number, load_train_config
 from .metrics import plot_curves, read_jsonl, relative
 

@@ -118,7 +118,8 @@ import torch
 
 from ..batch import required_multiple
 from ..errors import PlanError, short_repr
-from ..plan import TOP_LEVEL_KEYS, Plan, check_size, load_plan, read_yaml, reject_unknown_keys
+from ..plan import TOP_LEVEL_KEYS, Plan, load_plan
+from ..yaml_input import check_size, read_yaml, reject_unknown_keys
 from .checkpointing import ACMode, check_layer_count, parse_ac_mode
 from .hf_config import model_config
 from .records import check_parquet_file, is_parquet

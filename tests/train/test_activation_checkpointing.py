@@ -190,7 +190,7 @@ def test_a_bad_setting_is_refused_naming_the_field(ac, field, words):
 
 def test_yaml_spells_the_modes(tmp_path):
     """A bare `off` (YAML 1.1's False), the mapping `{every_n: 2}` and `every_n: 1` (every_layer)."""
-    from cpcompile.plan import read_yaml
+    from cpcompile.yaml_input import read_yaml
     from cpcompile.trainer.checkpointing import ACMode, parse_ac_mode
 
     path = tmp_path / "ac.yaml"
