@@ -42,7 +42,7 @@ class DocumentFeed:
     call.
 
     Under CP only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must
-    hold the plain global positions of this rank's slice, which `batch.LayoutGuard` checks on every
+    hold the plain global positions of this rank's slice, which `sequence_layout.LayoutGuard` checks on every
     call of a model with such regions, so that packed documents never pass as one. Outside CP (no
     sharding, so no mark: the trainer's un-rewritten GDN layers) `marked_only=False` takes every
     call's position ids as they are, and `follow` keeps them from the model's calls.

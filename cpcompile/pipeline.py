@@ -19,7 +19,6 @@ from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, pla
 from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_aux_loss_call
 from .audit.coverage import attention_hint, check_coverage, check_mixers, refuse_example_without_positions
 from .audit.cuts import cut_audit
-from .batch import LayoutGuard
 from .capture import probe_forward
 from .documents import DocumentFeed
 from .dump import Dump, resolve_dump_dir
@@ -32,6 +31,7 @@ from .plan import Override, load_plan
 from .region import RetracePolicy
 from .rope import find_call_dependent_rotaries, install_step_rope
 from .rope import state_kept as rope_state_kept
+from .sequence_layout import LayoutGuard
 from .tp import check_tp_applied, find_tp_linears
 
 log = logging.getLogger("cpcompile")
@@ -148,7 +148,7 @@ def hand_documents_to_layers(model: nn.Module, fqns: list[str], documents: Docum
 
 def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: DocumentFeed | None = None) -> None:
     """Check every call's `position_ids` against this rank's slice of the plan's layout
-    (`batch.LayoutGuard`), for a model that takes them: a token-batch model, such as a Hugging
+    (`sequence_layout.LayoutGuard`), for a model that takes them: a token-batch model, such as a Hugging
     Face causal LM (a module taking, say, q, k and v has no batch layout to check). The same
     hook hands a packed batch's position ids to the regions that read them (`documents`)."""
     parameters = list(inspect.signature(model.forward).parameters)
@@ -242,7 +242,7 @@ def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]
 
 
 def default_example(model: nn.Module) -> dict:
-    """Token ids and their positions (a CP model is always called with them: `batch.LayoutGuard`)."""
+    """Token ids and their positions (a CP model is always called with them: `sequence_layout.LayoutGuard`)."""
     get_embeddings = getattr(model, "get_input_embeddings", None)
     if get_embeddings is None:
         raise CPInputError("pass example_inputs=: cpcompile can only make an example batch for Hugging Face models")

@@ -65,7 +65,7 @@ def check_mixers(probe) -> None:
 
 
 def refuse_example_without_positions(model: nn.Module, example: Any) -> None:
-    """A model taking `position_ids` is always called with them under CP (`batch.LayoutGuard`), and
+    """A model taking `position_ids` is always called with them under CP (`sequence_layout.LayoutGuard`), and
     without them it numbers each rank's tokens from 0: an example without them would be audited
     (audit/cuts.py) and traced on a call that never happens."""
     if not isinstance(example, dict) or example.get("position_ids") is not None:

@@ -116,9 +116,9 @@ from typing import Any
 
 import torch
 
-from ..batch import required_multiple
 from ..errors import PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, load_plan
+from ..sequence_layout import required_multiple
 from ..yaml_input import check_size, read_yaml, reject_unknown_keys
 from .checkpointing import ACMode, check_layer_count, parse_ac_mode
 from .hf_config import model_config

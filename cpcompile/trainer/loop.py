@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..batch import IGNORE_INDEX, global_shift_labels, required_multiple, shard_batch
+from ..batch import IGNORE_INDEX, global_shift_labels, shard_batch
 from ..dump import prepare_dump_dir
 from ..errors import CPConfigError, PlanError, VerificationError
 from ..loss import global_mean_loss
@@ -35,6 +35,7 @@ from ..mesh import build_mesh
 from ..parity import FACTOR, FLOOR, within_precision
 from ..pipeline import compile as cp_compile
 from ..plan import Plan
+from ..sequence_layout import required_multiple
 from . import balance, checkpoint, lock, memory, resume_settings
 from .config import TrainConfig, TrainSettings, pretrained_folder
 from .data import TokenStream
