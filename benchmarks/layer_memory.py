@@ -1,5 +1,5 @@
 """What one decoder layer and the final norm hold, per token, and what the chunked loss holds,
-measured on CPU at the real widths: the numbers `cpcompile/trainer/memory.py`'s per-token terms are
+measured on CPU at the real widths: the numbers `cpcompile/trainer/memory_layers.py`'s per-token terms are
 checked against (tests/train/test_memory_layers.py).
 
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python benchmarks/layer_memory.py [--tokens 1536,2560] [--small]
@@ -166,7 +166,7 @@ def parameter_shapes(module: torch.nn.Module) -> frozenset:
 def measure_layer(text, kind: str, checkpointing: str, tokens: int, dtype=torch.bfloat16,
                   gdn_inner: bool = False) -> dict[str, int]:
     """{'kept', 'peak'} in bytes (module doc) of one layer's forward and backward over `tokens`;
-    `checkpointing` as `memory.layer_checkpointing` names it. A GDN layer also gives the Triton
+    `checkpointing` as `memory_layers.layer_checkpointing` names it. A GDN layer also gives the Triton
     core backward's buffers (`core_buffers`) and the bytes of the layer at their peak (`at_core`)."""
     from cpcompile.trainer.checkpointing import checkpoint_layers, parse_ac_mode
 
@@ -237,15 +237,15 @@ def per_token(measure, short: int, long: int) -> dict[str, float]:
 
 def expected_layer_bytes(text, kind: str, checkpointing: str, device: str = "cpu",
                          gdn_inner: bool = False) -> dict[str, int]:
-    """memory.py's kept and peak bytes a token of one bfloat16 layer, as `measure_layer` sees them on
+    """memory_layers.py's kept and peak bytes a token of one bfloat16 layer, as `measure_layer` sees them on
     `device`: on CPU the attention output is laid out [B, H, T, D] (CUDA's fused kernels give [B,
     T, H, D]), so transformers' `.transpose(1, 2).contiguous()` copies it, and the output gate's
     product keeps that copy beside the output (one more query width in c)."""
-    from cpcompile.trainer import memory
+    from cpcompile.trainer import memory_layers
 
-    sizes = memory._ElementSizes(param=4, compute=2, reduce=4)
-    kept = memory.layer_kept_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
-    peak = memory.layer_peak_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
+    sizes = memory_layers.ElementSizes(param=4, compute=2, reduce=4)
+    kept = memory_layers.layer_kept_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
+    peak = memory_layers.layer_peak_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
     copy = 0
     if device == "cpu" and kind == "full_attention":
         copy = text.num_attention_heads * text.head_dim * sizes.compute
@@ -261,11 +261,11 @@ def main() -> None:
     args = parser.parse_args()
     from trainer_gpu import MODEL, SMALL
 
-    from cpcompile.trainer import memory
+    from cpcompile.trainer import memory, memory_layers
 
     short, long = (int(n) for n in args.tokens.split(","))
     text = text_config(SMALL if args.small else MODEL)
-    sizes = memory._ElementSizes(param=4, compute=2, reduce=4)
+    sizes = memory_layers.ElementSizes(param=4, compute=2, reduce=4)
     print(f"bytes a token ({short} -> {long} tokens, bfloat16 compute): measured on CPU | memory.py (+ CPU's copy)")
     print("| layer | checkpointing | kept | peak of the backward | memory.py kept | memory.py peak |")
     print("|---|---|---|---|---|---|")
@@ -278,7 +278,7 @@ def main() -> None:
         print(f"| {kind} | {name} | {got['kept']:.0f} | {got['peak']:.0f} | {want['kept']} | "
               f"{want['peak']} |", flush=True)
     norm = per_token(lambda t: {"kept": measure_final_norm(text, t)}, short, long)["kept"]
-    print(f"final norm + its output: {norm:.0f} bytes a token | memory.py {memory.final_norm_bytes(text, sizes)}")
+    print(f"final norm + its output: {norm:.0f} bytes a token | memory.py {memory_layers.final_norm_bytes(text, sizes)}")
     loss = measure_loss(LOSS_SHAPE["tokens"], LOSS_SHAPE["vocab_size"], LOSS_SHAPE["hidden_size"], LOSS_SHAPE["chunk"])
     settings = argparse.Namespace(loss="chunked", loss_chunk_tokens=LOSS_SHAPE["chunk"])
     want = memory.loss_bytes(settings, argparse.Namespace(**LOSS_SHAPE), sizes, LOSS_SHAPE["tokens"])

@@ -81,7 +81,7 @@ def test_a_dry_run_at_a_huge_length_traces_a_short_probe_and_says_so():
     lines, facts = run_distributed(_dry_run_at, 2, 1 << 20, timeout=120)[0]
     assert facts["probe_seq_len"] == 32, facts
     assert "probe batch of 32 of train.seq_len's 1048576 tokens" in lines[1], lines
-    # 512K tokens x what 2 layers a rank keep without checkpointing (memory.layer_saved_bytes)
+    # 512K tokens x what 2 layers a rank keep without checkpointing (memory_layers.layer_saved_bytes)
     # layers a rank (the chunked loss's logits are one chunk's, whatever the length)
     assert facts["memory_gib"]["activations"] > 1.0, facts
 
