@@ -1,4 +1,4 @@
-"""The per-rank memory estimate of a training step (`loop.memory_estimate`, printed by `--dry-run`).
+"""The per-rank memory estimate of a training step (`dry_run_report.memory_estimate`, printed by `--dry-run`).
 
 Counted from the config alone (train settings, mesh, the model's config; the parameter count), as
 the peak of allocated memory (`torch.cuda.max_memory_allocated`) in a steady-state step, in GiB.

@@ -73,7 +73,7 @@ H200_PEAKS = [row if len(row) == 7 else (*row, {}) for row in H200_PEAKS]  # the
 
 @pytest.mark.parametrize("cp, seq_len, loss, ac, sdpa, peak, switches", H200_PEAKS)
 def test_the_h200_measurements(model, cp, seq_len, loss, ac, sdpa, peak, switches):
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     estimate = memory_estimate(_config(cp, seq_len, loss, ac, sdpa, **switches), params, model.config)
@@ -123,7 +123,7 @@ SIMULATED_PEAKS = [
 def test_the_h200_measurements_of_one_cp_rank(model, cp, tokens, sdpa, rank, peak):
     """Rank by rank: under AllGather the last rank's attention reads every other rank's keys in one
     kernel call (cuDNN: K/V repeated per query head), 7 GiB more than rank 0 at CP=16 and 512K."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     config = _config(cp, tokens, "chunked", sdpa=sdpa, device="cuda")
@@ -134,7 +134,7 @@ def test_the_h200_measurements_of_one_cp_rank(model, cp, tokens, sdpa, rank, pea
 def test_the_dry_run_estimate_is_the_busiest_ranks(model):
     """Without a rank the estimate is the job's peak: AllGather's last rank, Head-Tail's first
     (its tail chunk follows every other chunk); an estimate for a rank outside the job is refused."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
     from cpcompile.trainer.memory import busiest_rank
     from cpcompile.trainer.memory_layers import attended_keys
 
@@ -165,7 +165,7 @@ def test_the_peak_is_one_moment_of_the_backward_not_the_sum_of_the_terms(model):
 
 
 def test_terms_follow_the_mesh_and_the_modes(model):
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     one = memory_estimate(_config(1, 32768, "chunked"), params, model.config)
@@ -181,7 +181,7 @@ def test_terms_follow_the_mesh_and_the_modes(model):
 def test_a_compiled_chunked_loss_holds_its_logit_gradient_in_the_compute_dtype(model):
     """With a compile backend the chunk's float copy is fused away: in bfloat16 the loss term is one
     chunk x vocabulary x 2 bytes smaller."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     eager = memory_estimate(_config(1, 32768, "chunked"), params, model.config)
@@ -205,7 +205,7 @@ def test_the_checkpointing_modes_order_the_activations(model):
     """Layer by layer as each mode picks them: every layer < every second layer < none; selective
     keeps more than a checkpointed layer's input and less than a layer left alone, and its replay
     (what it recomputes) is smaller than a whole layer's."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     every, second, selective, off = (memory_estimate(_config(1, 32768, "chunked", ac=ac), params, model.config)
@@ -224,7 +224,7 @@ def test_the_lower_memory_switches_take_off_what_they_move(model):
     139.8 GiB, neither alone does."""
     import dataclasses
 
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
     from cpcompile.trainer.memory_layers import ElementSizes, final_norm_bytes
 
     params, text = sum(p.numel() for p in model.parameters()), model.config.get_text_config()

@@ -90,7 +90,7 @@ def _inputs_alive_after_the_forward(rank: int, world: int, seed: int, offload: b
     the backward): a weak reference, taken in a forward pre-hook, that keeps nothing alive itself."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from cpcompile.trainer import load_train_config, loop
+    from cpcompile.trainer import load_train_config, loop, step
     from cpcompile.trainer.parallelize import decoder_layers
 
     config = without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer", offload_layer_inputs=offload,
@@ -101,12 +101,12 @@ def _inputs_alive_after_the_forward(rank: int, world: int, seed: int, offload: b
     for layer in decoder_layers(trainer.model):
         layer.register_forward_pre_hook(lambda _, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
     alive = []
-    mean_loss = loop.global_mean_loss
+    mean_loss = step.global_mean_loss
 
     def after_the_forward(*args, **kwargs):
         alive.extend(not weak.expired() for weak in inputs)
         return mean_loss(*args, **kwargs)
-    loop.global_mean_loss = after_the_forward
+    step.global_mean_loss = after_the_forward
     trainer.step(0)
     return alive
 

@@ -202,7 +202,7 @@ def test_verify_judges_each_step(record, dtype, fails):
     """fp32: within train.verify_rtol of the unrewritten copy; bf16: against the fp32 copy, within
     1.5x the bf16 copy's error + 1e-3 (cpcompile/parity.py)."""
     from cpcompile.trainer import TrainSettings
-    from cpcompile.trainer.loop import step_failure
+    from cpcompile.trainer.verify import step_failure
 
     failure = step_failure({"step": 3, **record}, TrainSettings(dtype=dtype, verify=True), cp_size=2)
     assert (failure is not None) == fails, failure
