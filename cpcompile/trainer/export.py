@@ -26,7 +26,7 @@ import torch
 from ..errors import CPConfigError
 from . import checkpoint, resume_checks
 from .checkpoint import CONFIG_FILE
-from .config import DTYPES
+from .config_sections import DTYPES
 from .hf_config import transformers_module
 from .weights import INDEX_FILE, tied_duplicates
 

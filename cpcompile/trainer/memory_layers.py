@@ -52,7 +52,7 @@ import dataclasses
 import torch
 
 from ..kernels.attention.kernels import KERNELS, select_kernel
-from .config import DTYPES
+from .config_sections import DTYPES
 
 GDN_CHUNK = 64  # tokens per chunk of the GDN kernels: one state per chunk, one (I + A)^-1 row of 64 a token
 

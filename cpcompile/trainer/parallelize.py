@@ -54,7 +54,7 @@ from ..mesh import CPMesh
 from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
 from . import weights
 from .checkpointing import EVERY_LAYER, ACMode, checkpoint_layers, offload_layer_inputs
-from .config import DTYPES, TrainSettings
+from .config_sections import DTYPES, TrainSettings
 from .hf_config import model_config, transformers_module
 
 

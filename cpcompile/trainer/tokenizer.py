@@ -17,7 +17,7 @@ from ..errors import PlanError, short_repr
 from .hf_config import transformers_module
 
 if TYPE_CHECKING:
-    from .config import DataSettings
+    from .config_sections import DataSettings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
