@@ -431,7 +431,7 @@ def bench_layer_ops(T, warmup, repeat, rows):
     vs a middle rank's State-P2P executor (``cpcompile::gdn_p2p_chunk``: summary, ``M H + S``, output;
     backward: state-gradient summary, ``dH_local + M^T dH_out``, finish), communication excluded."""
     from cpcompile.kernels.gdn import CHUNK_SIZE as C
-    from cpcompile.kernels.gdn import ops  # noqa: F401  (registers the layer-level ops)
+    from cpcompile.kernels.gdn import layer_ops  # noqa: F401  (registers the layer-level ops)
     from cpcompile.kernels.gdn.triton.p2p_executor import p2p_backward, p2p_forward
 
     (q, k, v, g, beta), do = make_inputs(T)

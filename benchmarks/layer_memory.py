@@ -168,7 +168,7 @@ def measure_layer(text, kind: str, checkpointing: str, tokens: int, dtype=torch.
     """{'kept', 'peak'} in bytes (module doc) of one layer's forward and backward over `tokens`;
     `checkpointing` as `memory_layers.layer_checkpointing` names it. A GDN layer also gives the Triton
     core backward's buffers (`core_buffers`) and the bytes of the layer at their peak (`at_core`)."""
-    from cpcompile.trainer.checkpointing import checkpoint_layers, parse_ac_mode
+    from cpcompile.trainer.activation_checkpointing import checkpoint_layers, parse_ac_mode
 
     layer = decoder_layer(text, kind, dtype, gdn_inner)
     mode = {"off": "off", "checkpointed": "every_layer", "selective": "selective"}[checkpointing]

@@ -29,7 +29,7 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # run under torch.utils.checkpoint (non-reentrant): none, all, layers
                                 # k, 2k, ... (from 1), or all with an op-level policy that keeps the
                                 # matmul, attention / GDN core and collective outputs and recomputes
-                                # the rest (trainer/checkpointing.py)
+                                # the rest (trainer/activation_checkpointing.py)
       loss: chunked             # chunked: the head and cross-entropy a chunk of tokens at a time, never
                                 # the [tokens, vocabulary] logits (trainer/lm_loss.py); full: the
                                 # model's logits, then F.cross_entropy (for comparison)
@@ -120,7 +120,7 @@ from ..errors import PlanError, short_repr
 from ..plan import TOP_LEVEL_KEYS, Plan, load_plan
 from ..sequence_layout import required_multiple
 from ..yaml_input import read_yaml, reject_unknown_keys
-from .checkpointing import check_layer_count
+from .activation_checkpointing import check_layer_count
 from .config_sections import CheckpointSettings, DataSettings, OptimizerSettings, TrainSettings
 from .field_checks import check_choice
 from .hf_config import model_config

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import PlanError, short_repr
 from ..yaml_input import check_size, reject_unknown_keys
-from .checkpointing import ACMode, parse_ac_mode
+from .activation_checkpointing import ACMode, parse_ac_mode
 from .field_checks import (
     check_bool, check_choice, check_compile_backend, check_number, check_optional_string, check_positive_number,
     check_text_file,

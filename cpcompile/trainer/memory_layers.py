@@ -18,7 +18,7 @@ layers as cpcompile runs them: `adapters.qwen3_5.gdn_layer_forward` on the Trito
   output and z in c: `_gdn_before_core_bytes`, `_gdn_after_core_bytes`);
 - kept (`layer_kept_bytes`): a checkpointed layer its input (h x c; nothing on the device with
   `train.offload_layer_inputs`, until its own backward); a `selective` one its input
-  and the outputs `checkpointing.selective_policy` saves (`selective_saved_bytes`: every matmul's,
+  and the outputs `activation_checkpointing.selective_policy` saves (`selective_saved_bytes`: every matmul's,
   the core's — GDN's in float, q's dtype —, the gathered K/V); a layer left alone what it saved;
 - peak of its backward (`layer_peak_bytes`): the larger of two moments. The MLP's backward comes
   first: every saved tensor (replayed, for a checkpointed layer) but SiLU(gate) x up, three
@@ -106,7 +106,7 @@ def layer_kinds(text) -> list[str]:
 
 def layer_checkpointing(mode, count: int) -> list[str]:
     """Each layer's checkpointing: 'off' (not checkpointed), 'checkpointed' (its input kept, its
-    forward replayed) or 'selective' (`checkpointing.selective_policy`)."""
+    forward replayed) or 'selective' (`activation_checkpointing.selective_policy`)."""
     chosen = set(mode.layers(count))
     checkpointed = "selective" if mode.kind == "selective" else "checkpointed"
     return [checkpointed if index in chosen else "off" for index in range(count)]
@@ -210,7 +210,7 @@ def layer_kept_bytes(text, kind: str, sizes: ElementSizes, cp: int, sdpa: str, c
 
 
 def selective_saved_bytes(text, kind: str, sizes: ElementSizes, cp: int, sdpa: str) -> int:
-    """What `checkpointing.selective_policy` keeps of one layer of `kind`, per token: its input, the
+    """What `activation_checkpointing.selective_policy` keeps of one layer of `kind`, per token: its input, the
     outputs of its matmuls (every projection), of the attention or GDN core, and the collectives'
     (under AllGather the other ranks' K and V); the norms, activations, RoPE and the conv are replayed.
     The GDN core's output is in q's dtype: float (q and k are normalised in float)."""

@@ -24,7 +24,7 @@ from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager  # noqa: E4
 from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step  # noqa: E402
 from cpcompile.kernels.gdn.triton import GDNCapabilityError  # noqa: E402
 from cpcompile.kernels.gdn.triton import capability as cap  # noqa: E402
-from cpcompile.kernels.gdn.triton import ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
+from cpcompile.kernels.gdn.triton import kernel_ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
 from triton.runtime.errors import OutOfResources  # noqa: E402
 import gdn_p2p_ops  # noqa: E402,F401  (registers the test-only torch.ops.cpcompile_test.gdn_p2p_*)
 

@@ -29,9 +29,9 @@ def test_offloaded_inputs_follow_the_plain_run_under_cp():
 
 
 def _recording_hooks(moved: list, hooks):
-    """`hooks` (checkpointing._to_host_hooks), recording the shape of each tensor its pack sends to
+    """`hooks` (activation_checkpointing._to_host_hooks), recording the shape of each tensor its pack sends to
     the host."""
-    from cpcompile.trainer import checkpointing
+    from cpcompile.trainer import activation_checkpointing
 
     def recording(tensor, pin_memory):
         pack, unpack = hooks(tensor, pin_memory)
@@ -43,15 +43,15 @@ def _recording_hooks(moved: list, hooks):
             return packed
         return recorded_pack, unpack
 
-    checkpointing._to_host_hooks = recording
+    activation_checkpointing._to_host_hooks = recording
 
 
 def _what_is_moved(rank: int, world: int, seed: int) -> dict:
     import torch._dynamo
 
-    from cpcompile.trainer import checkpointing
+    from cpcompile.trainer import activation_checkpointing
 
-    hooks = checkpointing._to_host_hooks
+    hooks = activation_checkpointing._to_host_hooks
 
     def run(moved: list, **train) -> list[tuple]:
         _recording_hooks(moved, hooks)

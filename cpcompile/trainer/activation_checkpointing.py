@@ -37,7 +37,7 @@ from .. import collectives
 from .. import tp as _tp_ops  # noqa: F401  (registers torch.ops.cpcompile.tp_*)
 from ..errors import PlanError, short_repr
 from ..kernels.attention import op as _attention_ops  # noqa: F401  (registers torch.ops.cpcompile.*_attention)
-from ..kernels.gdn import ops as _gdn_ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
+from ..kernels.gdn import layer_ops as _gdn_ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
 
 FIELD = "train.activation_checkpointing"
 
