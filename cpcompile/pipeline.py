@@ -54,6 +54,9 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     probe and the traces then run on fake parameters on the example's device, and the model is
     left with its meta parameters (`meta_params.py`); pass `example_inputs` on that device.
 
+    `dump_dir` (else `CPCOMPILE_DUMP_DIR`): the debug dump (docs/debugging.md); in a job of more
+    than one process each rank writes `<dump_dir>/rank<r>`, r its global rank (`dump.resolve_dump_dir`).
+
     `trace_cache_size`: rewritten graphs each region keeps, one per input signature, least
     recently used dropped first (default `CPCOMPILE_TRACE_CACHE_SIZE`, else 8); docs/batch.md
     says how to keep the number of sequence lengths small.

@@ -56,7 +56,7 @@ sections (every key optional unless said; errors name the field path, e.g. `opti
                                 # on, forward and backward; a call it refuses fails with PyTorch's
                                 # reason (trainer/sdpa_backend.py); null: PyTorch chooses
       device: cpu               # cpu | cuda | npu
-      dump_dir: null            # the rewritten graphs, one folder per rank: <dump_dir>/rank<r>
+      dump_dir: null            # the rewritten graphs: <dump_dir>/rank<r> for each rank (one process: <dump_dir>)
       metrics_file: null        # one JSON line per step (rank 0)
       verify: false             # also train an unrewritten copy on the whole batch; judge each step
       verify_rtol: 1.0e-4       # verify, float32/float64: each step's CP loss within this relative

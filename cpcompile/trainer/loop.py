@@ -21,7 +21,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from ..batch import shard_batch
-from ..dump import prepare_dump_dir
+from ..dump import prepare_dump_dir, resolve_dump_dir
 from ..errors import CPConfigError, PlanError
 from ..mesh import build_mesh
 from ..pipeline import compile as cp_compile
@@ -56,16 +56,18 @@ def check_world_size(plan: Plan) -> None:
                                    f"{world}; {launch}")
 
 
-def rank_dump_dir(dump_dir: str | None, rank: int) -> str | None:
-    """`<dump_dir>/rank<r>`, created now: a folder that cannot be written is an error naming the field."""
+def rank_dump_dir(dump_dir: str | None, rank: int, world_size: int) -> str | None:
+    """The folder `compile` writes this rank's dump to (`dump.resolve_dump_dir`: `<dump_dir>/rank<r>`
+    in a job of more than one process, else `<dump_dir>`), created now: a folder that cannot be
+    written is an error naming the field, before anything is built."""
     if dump_dir is None:
         return None
-    path = os.path.join(dump_dir, f"rank{rank}")
+    path = resolve_dump_dir(dump_dir, rank, world_size)
     try:
         prepare_dump_dir(path)
     except CPConfigError as exc:
         raise PlanError("train.dump_dir", str(exc)) from exc
-    return path
+    return str(path)
 
 
 def build_trainer(config: TrainConfig, progress: Progress | None = None, load_weights: bool = True,
@@ -89,7 +91,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     root = mesh.root
     replica = root.get_local_rank("dp_replicate") * config.plan.accelerator.dp_shard_size + \
         root.get_local_rank("dp_shard")
-    dump = rank_dump_dir(settings.dump_dir, dist.get_rank())
+    rank_dump_dir(settings.dump_dir, dist.get_rank(), dist.get_world_size())  # said now; compile writes there
     model = build_model(config.model, settings, parameters_on_meta=on_meta)
     use_loss(model, settings, settings.loss_compile_backend(config.plan.cp_size))
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
@@ -97,7 +99,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     if config.plan.accelerator.tp_size > 1:
         apply_tensor_parallel(model, mesh)
     progress.at("compile")
-    cp_compile(model, mesh, config.plan, dump_dir=dump, example_inputs=probe_inputs(model, first))
+    cp_compile(model, mesh, config.plan, dump_dir=settings.dump_dir, example_inputs=probe_inputs(model, first))
     progress.at("start")
     routed = use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
     if settings.gdn_checkpoint_around_core and not routed:

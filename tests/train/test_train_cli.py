@@ -149,9 +149,10 @@ def test_an_unwritable_dump_dir_names_the_field(tmp_path):
 
     (tmp_path / "file").write_text("")
     with pytest.raises(PlanError) as info:
-        rank_dump_dir(str(tmp_path / "file"), 1)
+        rank_dump_dir(str(tmp_path / "file"), 1, 2)
     assert info.value.field == "train.dump_dir" and "rank1" in info.value.reason, info.value
-    assert rank_dump_dir(str(tmp_path / "dump"), 1) == str(tmp_path / "dump" / "rank1")
+    assert rank_dump_dir(str(tmp_path / "dump"), 1, 2) == str(tmp_path / "dump" / "rank1")
+    assert rank_dump_dir(str(tmp_path / "alone"), 0, 1) == str(tmp_path / "alone")  # one process: no rank folder
 
 
 def _cli(verb: str, *args: str, torchrun: bool = False) -> str:
