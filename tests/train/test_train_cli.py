@@ -2,6 +2,7 @@
 batch, the config's errors name their field, and both verbs run the example config under torchrun."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -171,9 +172,15 @@ def _cli(verb: str, *args: str, torchrun: bool = False) -> str:
     return res.stdout
 
 
-def test_cli_trains_the_example_as_the_readme_launches_it():
-    out = _cli("train", "--steps", "2")
+def test_cli_trains_the_example_as_the_readme_launches_it(tmp_path):
+    """As the README says: one line per step from rank 0 and, with --metrics FILE, one JSON line per
+    step in FILE."""
+    metrics = tmp_path / "metrics.jsonl"
+    out = _cli("train", "--steps", "2", "--metrics", str(metrics))
     assert "step 2/2" in out and "CP=1 loss" in out and "verify: PASS" in out, out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == 2, out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all("loss" in r for r in records), records
 
 
 def test_cli_benches_the_example_under_torchrun():
