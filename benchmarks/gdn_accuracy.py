@@ -4,7 +4,7 @@
     python3 benchmarks/gdn_accuracy.py --stress [--out FILE]   # every stress regime, ours against fla-core
     TRITON_INTERPRET=1 python benchmarks/gdn_accuracy.py --smoke [--stress]   # CPU, tiny shape, no accuracy claim
 
-``--stress``: every regime of ``cpcompile.kernels.gdn.stress`` (key cosine x gate scale) in three
+``--stress``: every regime of ``tests/kernels/gdn_stress.py`` (key cosine x gate scale) in three
 layouts (100 and 1000 tokens with grouped heads and an initial state, packed documents),
 cpcompile's Triton core and fla-core in fp32 and bf16, and the eager fp32 core, each against a
 float64 oracle (on the GPU the eager chunk form in float64, equal to the recurrence to float64
@@ -36,6 +36,7 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "kernels"))  # gdn_stress: the adversarial inputs the tests use
 
 from gdn_kernels import B, DK, DV, HK, HV, make_inputs, write_report  # noqa: E402
 
@@ -54,18 +55,18 @@ def oracle(xs, do):
 @contextlib.contextmanager
 def dot_precision(prec):
     """Every kernel launched inside runs its fp32 x fp32 dots at ``prec``."""
-    from cpcompile.kernels.gdn.triton import launch as L
+    from cpcompile.kernels.gdn.triton import launching as L
 
-    saved = L._flags
+    saved = L.flags
 
     def flags(dtype):
         out = saved(dtype)
         return {**out, "PREC": prec} if not out["UPCAST"] else out
-    L._flags = flags
+    L.flags = flags
     try:
         yield
     finally:
-        L._flags = saved
+        L.flags = saved
 
 
 def two_op_order(xs, do):
@@ -107,11 +108,11 @@ def fla(xs, do):
 
 
 def fla_stress_core(layout):
-    """fla-core's chunk_gated_delta_rule as a ``cpcompile.kernels.gdn.stress`` core (ImportError
+    """fla-core's chunk_gated_delta_rule as a ``gdn_stress`` core (ImportError
     without fla-core)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
-    from cpcompile.kernels.gdn.stress import cu_seqlens
+    from gdn_stress import cu_seqlens
     from fla_guard import lift_fla_hopper_guard
 
     lift_fla_hopper_guard()  # compared only, see gdn_kernels.py
@@ -143,7 +144,7 @@ def one_config_per_fla_kernel() -> None:
 
 
 def stress_layouts(smoke: bool):
-    from cpcompile.kernels.gdn.stress import Layout
+    from gdn_stress import Layout
 
     if smoke:
         return {"one chunk": Layout(1, 64, 1, 2, 16, 16)}
@@ -157,7 +158,7 @@ def stress_layouts(smoke: bool):
 def stress(args):
     """One row per layout and regime: the worst relative error over o, the final state and every
     gradient, for each core and dtype, and which quantity it was."""
-    from cpcompile.kernels.gdn.stress import REGIMES, Regime
+    from gdn_stress import REGIMES, Regime
 
     regimes = (Regime(0.75, 0.0), Regime(0.0, 1.0)) if args.smoke else REGIMES
     device = "cpu" if args.smoke else "cuda"
@@ -179,7 +180,7 @@ def stress(args):
 
 
 def _stress_rows(args, regimes, cores, device, lines, worse):
-    from cpcompile.kernels.gdn.stress import cpcompile_core, relative_errors, run_core, stress_case
+    from gdn_stress import cpcompile_core, relative_errors, run_core, stress_case
 
     for lname, layout in stress_layouts(args.smoke).items():
         for i, regime in enumerate(regimes):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime as _dt
+import importlib
 import math
 import os
 import statistics
@@ -238,7 +239,16 @@ def fla_cp_summaries(q, k, w, u, gc, do, dvl, scale, ours, warmup=5, repeat=20):
 
 # ----------------------------------------------------------------------------- State-P2P variants
 
-# variant keys -> launch tunables: module globals (``_set``) or entries of NUM_WARPS / NUM_STAGES
+def _stage(name: str):
+    """The module of ``cpcompile/kernels/gdn/triton/`` holding a tunable: ``launching`` (the per-kernel
+    NUM_WARPS / NUM_STAGES / STATE_BV tables, FIT_STAGES) or a stage file (its own constants)."""
+    return importlib.import_module(f"cpcompile.kernels.gdn.triton.{name}")
+
+
+# variant keys -> launch tunables: a stage file's constant (``_SCALAR_KNOBS``: module, name) or an entry
+# of launching's NUM_WARPS / NUM_STAGES / STATE_BV (``_DICT_KNOBS``: table, kernel key)
+_SCALAR_KNOBS = {"hs": ("p2p_output", "P2P_HSTRIDE"), "obv": ("p2p_output", "P2P_OUTPUT_BV"),
+                 "plain_obv": ("output", "OUTPUT_BV")}
 _DICT_KNOBS = {"ow": ("NUM_WARPS", "p2p_output"), "ost": ("NUM_STAGES", "p2p_output"),
                "sbv": ("STATE_BV", "p2p_summary"), "sw": ("NUM_WARPS", "p2p_summary"), "sst": ("NUM_STAGES", "p2p_summary"),
                "plain_ow": ("NUM_WARPS", "output"), "bbv": ("STATE_BV", "bwd_state_aug"),
@@ -247,27 +257,28 @@ P2P_GRID = {"hs": [0, 16, 32, 64, 128, 256], "sbv": [32, 64], "sw": [4, 8], "sst
             "ost": [1], "plain_obv": [64, 128], "plain_ow": [4], "bbv": [64], "bw": [4], "bst": [3]}
 
 
-def _set(L, **kw):
-    """Set launch tunables by variant key; -> the previous values (restore with ``_set(L, **old)``)."""
-    names = {"hs": "P2P_HSTRIDE", "obv": "P2P_OUTPUT_BV", "plain_obv": "OUTPUT_BV"}
+def _set(**kw):
+    """Set launch tunables by variant key; -> the previous values (restore with ``_set(**old)``)."""
     old = {}
     for key, val in kw.items():
         if key in _DICT_KNOBS:
             table, entry = _DICT_KNOBS[key]
-            old[key] = getattr(L, table)[entry]
-            getattr(L, table)[entry] = val
+            old[key] = getattr(_stage("launching"), table)[entry]
+            getattr(_stage("launching"), table)[entry] = val
         else:
-            old[key] = getattr(L, names[key])
-            # hs 0 (or a restored None) is launch.p2p_hstride's own pick per call
-            setattr(L, names[key], None if key == "hs" and not val else val)
+            module, name = _SCALAR_KNOBS[key]
+            old[key] = getattr(_stage(module), name)
+            # hs 0 (or a restored None) is p2p_output.p2p_hstride's own pick per call
+            setattr(_stage(module), name, None if key == "hs" and not val else val)
     return old
 
 
-def _p2p_defaults(L):
-    return dict(hs=L.P2P_HSTRIDE or 0, sbv=L.STATE_BV["p2p_summary"], sw=L.NUM_WARPS["p2p_summary"],
-                sst=L.NUM_STAGES["p2p_summary"], obv=L.P2P_OUTPUT_BV,
-                ow=L.NUM_WARPS["p2p_output"], ost=L.NUM_STAGES["p2p_output"], plain_obv=L.OUTPUT_BV,
-                plain_ow=L.NUM_WARPS["output"])
+def _p2p_defaults():
+    T, P, O = _stage("launching"), _stage("p2p_output"), _stage("output")
+    return dict(hs=P.P2P_HSTRIDE or 0, sbv=T.STATE_BV["p2p_summary"], sw=T.NUM_WARPS["p2p_summary"],
+                sst=T.NUM_STAGES["p2p_summary"], obv=P.P2P_OUTPUT_BV,
+                ow=T.NUM_WARPS["p2p_output"], ost=T.NUM_STAGES["p2p_output"], plain_obv=O.OUTPUT_BV,
+                plain_ow=T.NUM_WARPS["output"])
 
 
 def _diff(a, b) -> str:
@@ -286,26 +297,27 @@ def _configs(grid, keys):
 
 
 @contextlib.contextmanager
-def _exact_stages(L):
+def _exact_stages():
     """Sweeps time the pipeline depth they name: a depth this GPU cannot build fails instead of
-    running at a shallower one (``launch.FIT_STAGES``)."""
-    old, L.FIT_STAGES = L.FIT_STAGES, False
+    running at a shallower one (``launching.FIT_STAGES``)."""
+    launching = _stage("launching")
+    old, launching.FIT_STAGES = launching.FIT_STAGES, False
     try:
         yield
     finally:
-        L.FIT_STAGES = old
+        launching.FIT_STAGES = old
 
 
-def _timed(L, cfg, fn, warmup, repeat):
+def _timed(cfg, fn, warmup, repeat):
     """Median ms of ``fn`` under the launch tunables ``cfg`` (restored after) -> (ms, None) or (inf, error)."""
-    old = _set(L, **cfg)
+    old = _set(**cfg)
     try:
-        with _exact_stages(L):
+        with _exact_stages():
             return time_cuda(fn, warmup, repeat), None
     except Exception as exc:  # noqa: BLE001  (e.g. out of shared memory on this GPU)
         return float("inf"), f"failed {exc!r:.80}"
     finally:
-        _set(L, **old)
+        _set(**old)
 
 
 _SUMMARY_KEYS, _OUTPUT_KEYS = ("sbv", "sw", "sst"), ("obv", "ow", "ost")
@@ -322,7 +334,7 @@ def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
     from cpcompile.kernels.gdn.triton import launch as L
 
     grid = {**P2P_GRID, **(grid or {})}
-    base = _p2p_defaults(L)
+    base = _p2p_defaults()
     b, _, hv, dk, dv = dims or (B, HK, HV, DK, DV)
     lines = ["| variant | T | summary ms | output ms | total ms | ratio to plain fwd | rel err o vs plain |",
              "|---|---|---|---|---|---|---|"]
@@ -335,29 +347,29 @@ def bench_p2p_variants(Ts, warmup, repeat, grid=None, dims=None, device="cuda"):
         t_plain = time_cuda(lambda: L.gdn_fwd(q, k, v, g, beta, h_in, scale), warmup, repeat)
         rows = []
         for cfg in _configs(grid, ("plain_obv", "plain_ow")):
-            t, err = _timed(L, cfg, lambda: L.gdn_fwd(q, k, v, g, beta, h_in, scale), warmup, repeat)
+            t, err = _timed(cfg, lambda: L.gdn_fwd(q, k, v, g, beta, h_in, scale), warmup, repeat)
             rows.append((t, f"plain fwd, output bv={cfg['plain_obv']} w={cfg['plain_ow']} {err or ''}", "-", "-",
                          f"{t / t_plain:.2f}", "-"))
         for hs in grid["hs"]:
-            sums = [(*_timed(L, {"hs": hs, **c}, lambda: L.p2p_fwd_summary(k, v, g, beta), warmup, repeat), c)
+            sums = [(*_timed({"hs": hs, **c}, lambda: L.p2p_fwd_summary(k, v, g, beta), warmup, repeat), c)
                     for c in _configs(grid, _SUMMARY_KEYS)]
             for t, err, c in sums:
                 print(f"  T={T} summary hs={hs} {c}: {err or f'{t:.3f} ms'}", flush=True)
             t_sum, _, c_sum = min(sums, key=lambda x: x[0])
             if t_sum == float("inf"):
                 continue
-            old = _set(L, hs=hs)
+            old = _set(hs=hs)
             saved = L.p2p_fwd_summary(k, v, g, beta)[2]
-            _set(L, **old)
+            _set(**old)
             for c in _configs(grid, _OUTPUT_KEYS):
                 cfg = {"hs": hs, **c_sum, **c}
                 name = " ".join(f"{a}={x}" for a, x in cfg.items())
                 name += " (default)" if all(base[a] == x for a, x in cfg.items()) else ""
                 fn = lambda: L.p2p_fwd_output(q, k, saved, h_in, scale)  # noqa: E731
-                t, err = _timed(L, {"hs": hs, **c}, fn, warmup, repeat)
-                old = _set(L, hs=hs, **c)
+                t, err = _timed({"hs": hs, **c}, fn, warmup, repeat)
+                old = _set(hs=hs, **c)
                 rel = f"{_rel(fn(), o_ref):.1e}" if err is None else "-"
-                _set(L, **old)
+                _set(**old)
                 tot = t_sum + t
                 rows.append((tot, f"{name} {err or ''}", f"{t_sum:.3f}", f"{t:.3f}", f"{tot / t_plain:.2f}", rel))
         rows = sorted(rows, key=lambda r: r[0])
@@ -378,12 +390,12 @@ def _bwd_summary_rows(L, T, q, k, v, g, beta, h_in, scale, grid, warmup, repeat)
     t_bwd = time_cuda(lambda: L.gdn_bwd(q, k, v, g, beta, h_in, gc, w, u, tinv, do, None, scale), warmup, repeat)
     rows = [(t_bwd, "plain bwd (launch.gdn_bwd, defaults)", "-", "-", "1.00 (bwd)", "-")]
     for c in _configs(grid, _BWD_SUMMARY_KEYS):
-        t, err = _timed(L, c, lambda: L.p2p_bwd_summary(q, k, w, gc, do, scale), warmup, repeat)
+        t, err = _timed(c, lambda: L.p2p_bwd_summary(q, k, w, gc, do, scale), warmup, repeat)
         rel = "-"
         if err is None:
-            old = _set(L, **c)
+            old = _set(**c)
             got = L.p2p_bwd_summary(q, k, w, gc, do, scale)
-            _set(L, **old)
+            _set(**old)
             rel = f"{max(_rel(a, b) for a, b in zip(got[:2], ref)):.1e}"
         name = "bwd summary " + " ".join(f"{a}={x}" for a, x in c.items())
         print(f"  T={T} {name}: {err or f'{t:.3f} ms'} (plain bwd {t_bwd:.3f} ms)", flush=True)
@@ -419,7 +431,7 @@ def bench_layer_ops(T, warmup, repeat, rows):
     vs a middle rank's State-P2P executor (``cpcompile::gdn_p2p_chunk``: summary, ``M H + S``, output;
     backward: state-gradient summary, ``dH_local + M^T dH_out``, finish), communication excluded."""
     from cpcompile.kernels.gdn import CHUNK_SIZE as C
-    from cpcompile.kernels.gdn import ops  # noqa: F401  (registers the layer-level ops)
+    from cpcompile.kernels.gdn import layer_ops  # noqa: F401  (registers the layer-level ops)
     from cpcompile.kernels.gdn.triton.p2p_executor import p2p_backward, p2p_forward
 
     (q, k, v, g, beta), do = make_inputs(T)
@@ -476,7 +488,7 @@ def accuracy(T, methods):
 
 
 def kernel_breakdown(T, warmup, repeat):
-    """ms of one launch of each kernel (keys of ``launch.NUM_WARPS``) at T."""
+    """ms of one launch of each kernel (keys of ``launching.NUM_WARPS``) at T."""
     return {name: time_cuda(fn, warmup, repeat) for name, fn in _kernel_calls(T).items()}
 
 
@@ -543,8 +555,8 @@ def api_overhead(T, warmup, repeat):
 
 def ablation(T, warmup, repeat):
     """Time variants that leave a stage out (results are wrong on purpose; timing only)."""
-    from cpcompile.kernels.gdn.triton import kernels as K_
     from cpcompile.kernels.gdn.triton import launch as L
+    from cpcompile.kernels.gdn.triton import launching, prepare
 
     (q, k, v, g, beta), do = make_inputs(T)
     k = _l2norm(k)
@@ -554,15 +566,15 @@ def ablation(T, warmup, repeat):
     gc, w, u, tinv = L.fwd_prepare(k, v, g, beta)
     out = {}
     for block in (1, 8, 16, 32, 64):  # the chunk inverse: diagonal blocks by substitution, then blocked steps (1: doubling)
-        out[f"fwd_prepare, inverse block {block}"] = time_cuda(lambda: K_.gdn_fwd_prepare_kernel[(NT, B_ * Hv)](
+        out[f"fwd_prepare, inverse block {block}"] = time_cuda(lambda: prepare.gdn_fwd_prepare_kernel[(NT, B_ * Hv)](
             k, v, g, beta, gc, w, u, tinv, T_, Hk=Hk, Hv=Hv, K=K, V=V, BT=64, BS=block, STORE_TINV=True,
-            num_warps=L.NUM_WARPS["prepare"], **L._flags(k.dtype)), warmup, repeat)
+            num_warps=launching.NUM_WARPS["prepare"], **launching.flags(k.dtype)), warmup, repeat)
     out["torch copy of w,u,tinv (memory floor proxy)"] = time_cuda(lambda: (w.clone(), u.clone(), tinv.clone()), warmup, repeat)
     return out
 
 
 def _kernel_calls(T, dims=None, device="cuda"):
-    """One launch per kernel key (``launch.NUM_WARPS``'s keys) at T; ``dims`` = (B, Hk, Hv, K, V),
+    """One launch per kernel key (``launching.NUM_WARPS``'s keys) at T; ``dims`` = (B, Hk, Hv, K, V),
     default the bench shapes."""
     from cpcompile.kernels.gdn.triton import launch as L
 
@@ -600,10 +612,10 @@ TUNE_STAGES = {"state": (1, 2, 3), "bwd_state": (1, 2, 3), "inter": (1, 2, 3)}  
 
 def tune(T, warmup, repeat, dims=None, device="cuda", warps=TUNE_WARPS, stage_grid=None):
     """Per kernel, every num_warps (and for the pipelined loops num_stages, for the state passes the
-    column block) at one T; keeps the fastest in ``launch`` (used for the tables after) -> report lines."""
+    column block) at one T; keeps the fastest in ``launching`` (used for the tables after) -> report lines."""
     import itertools
 
-    from cpcompile.kernels.gdn.triton import launch as L
+    from cpcompile.kernels.gdn.triton import launching as L
 
     stage_grid = TUNE_STAGES if stage_grid is None else stage_grid
     calls = _kernel_calls(T, dims, device)
@@ -620,7 +632,7 @@ def tune(T, warmup, repeat, dims=None, device="cuda", warps=TUNE_WARPS, stage_gr
             if bv is not None:
                 L.STATE_BV[key] = bv
             try:
-                with _exact_stages(L):
+                with _exact_stages():
                     timings[(nw, st, bv)] = time_cuda(fn, warmup, repeat)
             except Exception as exc:  # noqa: BLE001  (a setting can exceed shared memory)
                 print(f"  tune {key} warps={nw} stages={st} bv={bv} failed: {type(exc).__name__}", flush=True)

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-import cpcompile.kernels.gdn.ops  # noqa: F401  (registers the ops)
+import cpcompile.kernels.gdn.layer_ops  # noqa: F401  (registers the ops)
 
 ops = torch.ops.cpcompile
 

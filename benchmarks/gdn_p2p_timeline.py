@@ -76,7 +76,7 @@ def summarize_p2p(items: list[tuple]) -> dict:
 
 def profile_step(args, device: str) -> dict:
     """Forward + backward of the executor op under the profiler -> the Chrome trace."""
-    import cpcompile.kernels.gdn.ops  # noqa: F401  (registers cpcompile::gdn_p2p_chunk)
+    import cpcompile.kernels.gdn.layer_ops  # noqa: F401  (registers cpcompile::gdn_p2p_chunk)
     from torch.profiler import ProfilerActivity, profile, record_function
 
     B, Hk, Hv, K, V = args.dims

@@ -1,5 +1,5 @@
 """What one decoder layer and the final norm hold, per token, and what the chunked loss holds,
-measured on CPU at the real widths: the numbers `cpcompile/trainer/memory.py`'s per-token terms are
+measured on CPU at the real widths: the numbers `cpcompile/trainer/memory_layers.py`'s per-token terms are
 checked against (tests/train/test_memory_layers.py).
 
     TRITON_INTERPRET=1 OMP_NUM_THREADS=1 python benchmarks/layer_memory.py [--tokens 1536,2560] [--small]
@@ -17,8 +17,8 @@ what does not grow with the length drops out), as memory.py names them:
   gradients in flight (the incoming one included) and the kernels' buffers.
 
 GDN runs cpcompile's Triton core as on a GPU (`gdn_backend: triton`), its kernels skipped
-(`triton_allocations_only`): every buffer kernels/gdn/triton/launch.py allocates is allocated and
-counted; no kernel runs, so the values are garbage and the bytes exact. Attention runs PyTorch's
+(`triton_allocations_only`): every buffer the launchers in kernels/gdn/triton/ allocate is allocated
+and counted; no kernel runs, so the values are garbage and the bytes exact. Attention runs PyTorch's
 CPU flash kernel, whose outputs (the output, its log-sum-exp; dq, dk, dv) are the CUDA kernel's
 sizes, but laid out [B, H, T, D]: `expected_layer_bytes` adds the copy that costs on CPU.
 
@@ -110,18 +110,18 @@ def _custom_op_function(func):
 def triton_allocations_only():
     """cpcompile's Triton GDN launch code with every kernel launch skipped: it allocates what it
     allocates on a GPU (on CPU: the interpreter's device checks pass with TRITON_INTERPRET=1)."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launching
 
-    real = launch._launch
-    launch._launch = lambda kernel, grid, *args, **options: None
+    real = launching.launch
+    launching.launch = lambda kernel, grid, *args, **options: None
     try:
         yield
     finally:
-        launch._launch = real
+        launching.launch = real
 
 
 def text_config(raw: dict):
-    from cpcompile.trainer.config import model_config
+    from cpcompile.trainer.hf_config import model_config
 
     config = model_config(raw)
     config._attn_implementation = "sdpa"
@@ -166,9 +166,9 @@ def parameter_shapes(module: torch.nn.Module) -> frozenset:
 def measure_layer(text, kind: str, checkpointing: str, tokens: int, dtype=torch.bfloat16,
                   gdn_inner: bool = False) -> dict[str, int]:
     """{'kept', 'peak'} in bytes (module doc) of one layer's forward and backward over `tokens`;
-    `checkpointing` as `memory.layer_checkpointing` names it. A GDN layer also gives the Triton
+    `checkpointing` as `memory_layers.layer_checkpointing` names it. A GDN layer also gives the Triton
     core backward's buffers (`core_buffers`) and the bytes of the layer at their peak (`at_core`)."""
-    from cpcompile.trainer.checkpointing import checkpoint_layers, parse_ac_mode
+    from cpcompile.trainer.activation_checkpointing import checkpoint_layers, parse_ac_mode
 
     layer = decoder_layer(text, kind, dtype, gdn_inner)
     mode = {"off": "off", "checkpointed": "every_layer", "selective": "selective"}[checkpointing]
@@ -237,15 +237,15 @@ def per_token(measure, short: int, long: int) -> dict[str, float]:
 
 def expected_layer_bytes(text, kind: str, checkpointing: str, device: str = "cpu",
                          gdn_inner: bool = False) -> dict[str, int]:
-    """memory.py's kept and peak bytes a token of one bfloat16 layer, as `measure_layer` sees them on
+    """memory_layers.py's kept and peak bytes a token of one bfloat16 layer, as `measure_layer` sees them on
     `device`: on CPU the attention output is laid out [B, H, T, D] (CUDA's fused kernels give [B,
     T, H, D]), so transformers' `.transpose(1, 2).contiguous()` copies it, and the output gate's
     product keeps that copy beside the output (one more query width in c)."""
-    from cpcompile.trainer import memory
+    from cpcompile.trainer import memory_layers
 
-    sizes = memory._ElementSizes(param=4, compute=2, reduce=4)
-    kept = memory.layer_kept_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
-    peak = memory.layer_peak_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
+    sizes = memory_layers.ElementSizes(param=4, compute=2, reduce=4)
+    kept = memory_layers.layer_kept_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
+    peak = memory_layers.layer_peak_bytes(text, kind, sizes, 1, "all_gather", checkpointing, gdn_inner=gdn_inner)
     copy = 0
     if device == "cpu" and kind == "full_attention":
         copy = text.num_attention_heads * text.head_dim * sizes.compute
@@ -261,11 +261,11 @@ def main() -> None:
     args = parser.parse_args()
     from trainer_gpu import MODEL, SMALL
 
-    from cpcompile.trainer import memory
+    from cpcompile.trainer import memory, memory_layers
 
     short, long = (int(n) for n in args.tokens.split(","))
     text = text_config(SMALL if args.small else MODEL)
-    sizes = memory._ElementSizes(param=4, compute=2, reduce=4)
+    sizes = memory_layers.ElementSizes(param=4, compute=2, reduce=4)
     print(f"bytes a token ({short} -> {long} tokens, bfloat16 compute): measured on CPU | memory.py (+ CPU's copy)")
     print("| layer | checkpointing | kept | peak of the backward | memory.py kept | memory.py peak |")
     print("|---|---|---|---|---|---|")
@@ -278,7 +278,7 @@ def main() -> None:
         print(f"| {kind} | {name} | {got['kept']:.0f} | {got['peak']:.0f} | {want['kept']} | "
               f"{want['peak']} |", flush=True)
     norm = per_token(lambda t: {"kept": measure_final_norm(text, t)}, short, long)["kept"]
-    print(f"final norm + its output: {norm:.0f} bytes a token | memory.py {memory.final_norm_bytes(text, sizes)}")
+    print(f"final norm + its output: {norm:.0f} bytes a token | memory.py {memory_layers.final_norm_bytes(text, sizes)}")
     loss = measure_loss(LOSS_SHAPE["tokens"], LOSS_SHAPE["vocab_size"], LOSS_SHAPE["hidden_size"], LOSS_SHAPE["chunk"])
     settings = argparse.Namespace(loss="chunked", loss_chunk_tokens=LOSS_SHAPE["chunk"])
     want = memory.loss_bytes(settings, argparse.Namespace(**LOSS_SHAPE), sizes, LOSS_SHAPE["tokens"])

@@ -96,7 +96,7 @@ def profile_run(method: str, asynchronous: bool, args) -> dict:
     local = cpcompile.shard_batch({"input_ids": ids, "labels": ids.clone()}, mesh, plan)
     model = make_model(args).to(args.device, torch.bfloat16 if cuda else torch.float32)
     model = cpcompile.compile(model, mesh, plan, example_inputs=local,
-                              dump_dir=run_dir / f"graphs_rank{dist.get_rank()}")
+                              dump_dir=run_dir / "graphs")  # graphs/rank<r>
     torch._dynamo.reset()
     runner = torch.compile(model) if args.compile else model
 

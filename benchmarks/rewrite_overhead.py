@@ -19,7 +19,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3Attention, Qwen3RotaryEmbedding
 
 import cpcompile
-from cpcompile.pipeline import InstalledRegion, Target
+from cpcompile.installed_region import InstalledRegion, Target
 from cpcompile.plan import Override
 
 

@@ -159,7 +159,8 @@ def run_row(args, spec: dict, train_config_for) -> dict:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from cpcompile.errors import CPCompileError
-    from cpcompile.trainer.loop import build_trainer, memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
+    from cpcompile.trainer.loop import build_trainer
     from cpcompile.trainer.metrics import peak_memory_gib
     from cpcompile.trainer.parallelize import parameter_count
     from collective_bytes import CollectiveBytes

@@ -103,7 +103,8 @@ def run_mode(args, loss: str, ac: str) -> dict:
     import torch
 
     from cpcompile.trainer import dry_run, load_train_config
-    from cpcompile.trainer.loop import build_trainer, memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
+    from cpcompile.trainer.loop import build_trainer
     from cpcompile.trainer.metrics import format_step, summary, timed_steps, warmup_steps
     from cpcompile.trainer.parallelize import is_rank_zero
 
@@ -159,7 +160,7 @@ def profiled(enabled: bool, device: str):
 def verdict(record: dict, train_config) -> str:
     """With --verify: the step's judgement against the unrewritten copies (the trainer's `verify`:
     bf16 within cpcompile/parity.py's bound of the bf16 copy's distance from the float32 copy)."""
-    from cpcompile.trainer.loop import step_failure
+    from cpcompile.trainer.verify import step_failure
 
     if not train_config.train.verify:
         return ""

@@ -129,7 +129,7 @@ def build_hf(args, seq_len: int, fused: bool):
     """-> (one training step as a function of its index, the model) for plain transformers."""
     import torch
 
-    from cpcompile.trainer.config import model_config, transformers_module
+    from cpcompile.trainer.hf_config import model_config, transformers_module
     from trainer_gpu import MODEL, SMALL
 
     from fla_guard import lift_fla_hopper_guard

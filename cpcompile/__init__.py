@@ -16,6 +16,7 @@ from .mesh import CPMesh, build_mesh, release_process_group
 from . import primitives
 from .methods import CPMethod, allow_wrapper_module, inner_wrapper, register_inner_wrapper
 from .methods.local_compute import local_compute_fn
+from . import builtin_methods  # noqa: F401  (cpcompile's own methods and adapters, into the registry)
 from .pipeline import compile
 from .plan import AcceleratorConfig, Override, Plan, load_plan
 

@@ -11,7 +11,7 @@ the same call, since every rank runs the same modules in the same order.
 the values themselves are gathered only when they differ, to name them). It runs once per new
 signature, never per step: a rank feeding a length the others have already agreed on, while
 they bring a new one, is not caught here (the compiled model's per-call check is the batch
-layout, `batch.LayoutGuard`).
+layout, `sequence_layout.LayoutGuard`).
 
 Refusals agree too. Many checks read one rank's own data: the attention mask transformers built
 for its shard, its positions, its documents. A rank that raised alone would leave the others

@@ -13,13 +13,15 @@ slicing, so no rank ever has to guess what lies beyond its own slice:
 4. right padding to the layout's multiple (only with ``pad=True``);
 5. slicing along the sequence by the method's layout (contiguous or Head-Tail).
 
-The pure index helpers (`local_indices`, `reorder_for_layout`, `restore_order`) need no
+What a batch may hold, and the checks of step 1, are `batch_fields.py`. The pure index helpers
+(`local_indices`, `reorder_for_layout`, `restore_order`) and the mark a sliced batch carries with
+the guard a compiled model checks it with (`LayoutGuard`) are `sequence_layout.py`: they need no
 process group; `unshard` is their distributed inverse.
 """
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping, NamedTuple
+from typing import Any, Mapping
 
 import torch
 
@@ -27,99 +29,18 @@ from .documents import (
     GLOBAL_POSITIONS, TOKEN_ORDER, end_documents, is_packed, mark_packed, per_document_head_tail,
     positions_from_cu_seq_lens,
 )
+from .batch_fields import PASSTHROUGH_KEYS, SEQ_DIM, check_field_shapes, check_keys, check_token_dtypes, sequence_shape
 from .errors import CPConfigError, CPInputError
 from .methods import CONTIGUOUS, HEAD_TAIL
 from .plan import load_plan
+from .sequence_layout import ShardLayout, local_indices, mark_layout, required_multiple, restore_order
 
 IGNORE_INDEX = -100
 
-# Fields cut along the sequence dimension, and where that dimension is.
-_SEQ_DIM = {
-    "input_ids": 1,
-    "inputs_embeds": 1,
-    "attention_mask": 1,
-    "labels": 1,
-    "shift_labels": 1,
-    "position_ids": -1,  # [B, S], [1, S] or multimodal-rope [n, B, S]
-}
 
-# Non-sequence entries passed through unchanged (flags, or a user-chosen loss normaliser).
-PASSTHROUGH_KEYS = frozenset(
-    {"return_dict", "output_hidden_states", "output_attentions", "output_router_logits", "num_items_in_batch"}
-)
-# Accepted only with a harmless value; anything else is refused with the reason below.
-_HARMLESS_VALUES = {
-    "use_cache": (None, False),
-    "past_key_values": (None,),
-    "logits_to_keep": (None, 0),
-    "is_causal": (None, True),
-}
-_REJECT_REASONS = {
-    "use_cache": "training with CP has no KV cache; pass use_cache=False or leave it out",
-    "past_key_values": "an inference KV cache cannot be split across CP ranks",
-    "logits_to_keep": "CP training needs logits for every token (logits_to_keep=0)",
-    "is_causal": "CP attention rewrites assume causal attention",
-    "cache_position": "cache_position is inference metadata; shard_batch supplies global position_ids",
-    "cu_seq_lens_q": "pass a packed batch as position_ids restarting at 0 per document, or as cu_seq_lens",
-    "cu_seq_lens_k": "pass a packed batch as position_ids restarting at 0 per document, or as cu_seq_lens",
-    "max_length_q": "shard_batch derives what CP needs of a packed batch from its position ids",
-    "max_length_k": "shard_batch derives what CP needs of a packed batch from its position ids",
-    "seq_idx": "pass a packed batch as position_ids restarting at 0 per document, or as cu_seq_lens",
-}
-PACKING_KEYS = frozenset({"cu_seq_lens"})  # consumed by shard_batch: it becomes position ids
-ALLOWED_KEYS = frozenset(_SEQ_DIM) | PASSTHROUGH_KEYS | frozenset(_HARMLESS_VALUES) | PACKING_KEYS
+# ----------------------------------------------------------------------------- the plan's layout on this rank
 
 
-# ----------------------------------------------------------------------------- layouts
-
-
-def required_multiple(layout: str, cp_size: int) -> int:
-    """The sequence length must be a multiple of this for `layout` over `cp_size` ranks."""
-    if layout == CONTIGUOUS:
-        return cp_size
-    if layout == HEAD_TAIL:
-        return 2 * cp_size
-    raise CPInputError(f"unknown sequence layout {layout!r}; expected {CONTIGUOUS!r} or {HEAD_TAIL!r}")
-
-
-def local_indices(seq_len: int, cp_size: int, cp_rank: int, layout: str) -> torch.Tensor:
-    """Global token indices (LongTensor, in local order) held by `cp_rank`.
-
-    contiguous: block `cp_rank` of `cp_size` equal blocks.
-    head_tail:  chunks `cp_rank` and `2*cp_size-1-cp_rank` of `2*cp_size` equal chunks, in that
-    order, so every rank gets one early (cheap) and one late (expensive) causal chunk.
-    """
-    multiple = required_multiple(layout, cp_size)
-    if seq_len % multiple:
-        raise CPInputError(f"sequence length {seq_len} is not a multiple of {multiple} ({layout}, cp={cp_size})")
-    if not 0 <= cp_rank < cp_size:
-        raise CPInputError(f"cp_rank {cp_rank} out of range for cp_size {cp_size}")
-    chunk = seq_len // multiple
-    if layout == CONTIGUOUS:
-        return torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk)
-    tail = 2 * cp_size - 1 - cp_rank
-    return torch.cat([torch.arange(cp_rank * chunk, (cp_rank + 1) * chunk), torch.arange(tail * chunk, (tail + 1) * chunk)])
-
-
-def _rank_major_order(seq_len: int, cp_size: int, layout: str) -> torch.Tensor:
-    """Global indices in the order an all-gather over ranks 0..cp-1 concatenates them."""
-    return torch.cat([local_indices(seq_len, cp_size, r, layout) for r in range(cp_size)])
-
-
-def reorder_for_layout(tensor: torch.Tensor, cp_size: int, layout: str, *, seq_dim: int = 1) -> torch.Tensor:
-    """Global order -> rank-major order (rank 0's tokens, then rank 1's, ...)."""
-    if cp_size == 1 or layout == CONTIGUOUS:
-        return tensor
-    order = _rank_major_order(tensor.shape[seq_dim], cp_size, layout).to(tensor.device)
-    return tensor.index_select(seq_dim, order)
-
-
-def restore_order(tensor: torch.Tensor, cp_size: int, layout: str, *, seq_dim: int = 1) -> torch.Tensor:
-    """Rank-major order (as gathered from ranks 0..cp-1) -> global order. Inverse of `reorder_for_layout`."""
-    if cp_size == 1 or layout == CONTIGUOUS:
-        return tensor
-    order = _rank_major_order(tensor.shape[seq_dim], cp_size, layout)
-    return tensor.index_select(seq_dim, torch.argsort(order).to(tensor.device))
 
 
 def _cp_size_and_rank(mesh: Any) -> tuple[int, int]:
@@ -147,75 +68,6 @@ def _batch_layout(mesh: Any, plan: Any) -> tuple[int, int, str]:
     if layout is None:
         raise CPConfigError(f"cp_size={cp_size} but the plan has no active CP override to fix the sequence layout")
     return cp_size, cp_rank, layout
-
-
-# ----------------------------------------------------------------------------- validation
-
-
-def _check_keys(batch: Mapping[str, Any]) -> None:
-    for key, value in batch.items():
-        if key in _HARMLESS_VALUES:
-            if value is None or (not isinstance(value, torch.Tensor) and value in _HARMLESS_VALUES[key]):
-                continue
-            raise CPInputError(f"shard_batch: {key}={value!r} is not supported: {_REJECT_REASONS[key]}")
-        if key in _REJECT_REASONS:
-            raise CPInputError(f"shard_batch: {key!r} is not supported: {_REJECT_REASONS[key]}")
-        if key not in ALLOWED_KEYS:
-            kind = "tensor" if isinstance(value, torch.Tensor) else "entry"
-            raise CPInputError(
-                f"shard_batch: unknown {kind} {key!r}; CP cannot guess how to split it. "
-                f"Allowed keys: {', '.join(sorted(ALLOWED_KEYS))}"
-            )
-        if key in _SEQ_DIM and value is not None and not isinstance(value, torch.Tensor):
-            raise TypeError(f"shard_batch: {key!r} must be a tensor, got {type(value).__name__}")
-
-
-def _sequence_shape(batch: Mapping[str, Any]) -> tuple[int, int]:
-    ids, embeds = batch.get("input_ids"), batch.get("inputs_embeds")
-    if (ids is None) == (embeds is None):
-        raise CPInputError("shard_batch: pass exactly one of 'input_ids' [B, S] or 'inputs_embeds' [B, S, H]")
-    if ids is not None and ids.dim() != 2:
-        raise CPInputError(f"shard_batch: 'input_ids' must be [B, S], got shape {tuple(ids.shape)}")
-    if embeds is not None and embeds.dim() != 3:
-        raise CPInputError(f"shard_batch: 'inputs_embeds' must be [B, S, H], got shape {tuple(embeds.shape)}")
-    main = ids if ids is not None else embeds
-    if main.numel() == 0:
-        name = "input_ids" if ids is not None else "inputs_embeds"
-        raise CPInputError(f"shard_batch: the batch is empty ({name!r} has shape {tuple(main.shape)}); "
-                           "CP needs at least one sequence of at least one token")
-    return main.shape[0], main.shape[1]
-
-
-def _check_token_dtypes(batch: Mapping[str, Any]) -> None:
-    """Token ids and labels index the vocabulary: a float tensor there would fail deep in the
-    embedding (or the loss) of one forward, so it is refused here, on every rank alike."""
-    for key in ("input_ids", "labels", "shift_labels"):
-        value = batch.get(key)
-        if value is None or not (value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool):
-            continue
-        hint = "; pass embeddings as 'inputs_embeds'" if key == "input_ids" else ""
-        raise CPInputError(f"shard_batch: {key!r} must hold integer token ids, got {value.dtype}{hint}")
-
-
-def _check_field_shapes(batch: Mapping[str, Any], bsz: int, seq_len: int) -> None:
-    mask = batch.get("attention_mask")
-    if mask is not None and mask.dim() != 2:
-        raise CPInputError(
-            f"shard_batch: 'attention_mask' has shape {tuple(mask.shape)}; pass the 2-D [B, S] padding mask, "
-            "CP builds the causal/global attention mask itself"
-        )
-    for key in ("attention_mask", "labels", "shift_labels"):
-        value = batch.get(key)
-        if value is not None and tuple(value.shape) != (bsz, seq_len):
-            raise CPInputError(f"shard_batch: {key!r} must have shape {(bsz, seq_len)}, got {tuple(value.shape)}")
-    pos = batch.get("position_ids")
-    if pos is not None:
-        ok = (pos.dim() == 2 and pos.shape[0] in (1, bsz)) or (pos.dim() == 3 and pos.shape[1] in (1, bsz))
-        if not ok or pos.shape[-1] != seq_len:
-            raise CPInputError(
-                f"shard_batch: 'position_ids' must be [B, S], [1, S] or [n, B, S] with S={seq_len}, B={bsz}; "
-                f"got {tuple(pos.shape)}"
-            )
 
 
 # ----------------------------------------------------------------------------- global fields
@@ -301,15 +153,15 @@ def shard_batch(
     own and build a ``[B, 1, S_local, S_local]`` mask; with an all-ones padding mask it passes no
     mask at all, and the rewrite reads the documents from the position ids.
     """
-    _check_keys(global_batch)
+    check_keys(global_batch)
     plan = _as_plan(plan)
     cp_size, cp_rank, layout = _batch_layout(mesh, plan)
-    bsz, seq_len = _sequence_shape(global_batch)
-    _check_field_shapes(global_batch, bsz, seq_len)
-    _check_token_dtypes(global_batch)
+    bsz, seq_len = sequence_shape(global_batch)
+    check_field_shapes(global_batch, bsz, seq_len)
+    check_token_dtypes(global_batch)
 
     fields: dict[str, torch.Tensor] = {
-        key: global_batch[key] for key in _SEQ_DIM if global_batch.get(key) is not None
+        key: global_batch[key] for key in SEQ_DIM if global_batch.get(key) is not None
     }
     main = fields.get("input_ids", fields.get("inputs_embeds"))
     mask = fields.get("attention_mask")
@@ -356,7 +208,7 @@ def shard_batch(
     _note_head_tail_order(layout, order is not None)
     for key, tensor in fields.items():
         if index is not None:
-            tensor = _take_tokens(tensor, _SEQ_DIM[key] % tensor.dim(), index.to(tensor.device))
+            tensor = _take_tokens(tensor, SEQ_DIM[key] % tensor.dim(), index.to(tensor.device))
         local[key] = tensor
     if (layout == HEAD_TAIL or packed) and cp_size > 1 and "attention_mask" not in local:
         local["attention_mask"] = torch.ones(bsz, seq_len // cp_size, dtype=torch.long, device=main.device)
@@ -409,7 +261,7 @@ def _pad_fields(fields: dict[str, torch.Tensor], extra: int, pad_token_id: int) 
         if key == "position_ids":
             out[key] = _pad_positions(tensor, extra)
         else:
-            out[key] = _pad_seq(tensor, extra, fill[key], _SEQ_DIM[key])
+            out[key] = _pad_seq(tensor, extra, fill[key], SEQ_DIM[key])
     return out
 
 
@@ -452,83 +304,3 @@ def unshard(local_tensor: torch.Tensor, mesh: Any, plan: Any, *, seq_dim: int = 
     if order is not None:  # rank-major -> global: the rank-major slot of every global position
         return _take_tokens(gathered, seq_dim, torch.argsort(order, dim=1).to(gathered.device))
     return restore_order(gathered, cp_size, layout, seq_dim=seq_dim)
-
-
-# ----------------------------------------------------------------------------- the layout a batch was sliced for
-
-LAYOUT_MARK = "_cpcompile_layout"  # the attribute `shard_batch` sets on the local position ids
-
-
-class ShardLayout(NamedTuple):
-    layout: str
-    cp_size: int
-    cp_rank: int
-
-    def describe(self) -> str:
-        return f"the {self.layout!r} layout, cp rank {self.cp_rank} of {self.cp_size}"
-
-
-def mark_layout(position_ids: torch.Tensor, layout: ShardLayout) -> None:
-    """Record on the local position ids (a tensor `shard_batch` made) which slice they are, so the
-    compiled model can check it on every call at no cost. A copy (`.to(device)`, `.clone()`)
-    drops the mark; the model then checks the values instead (`LayoutGuard`)."""
-    setattr(position_ids, LAYOUT_MARK, layout)
-
-
-class LayoutGuard:
-    """What a compiled model checks before each call: that its `position_ids` are this rank's
-    slice of the global sequence under the plan's layout.
-
-    A batch from `shard_batch` carries the layout it was sliced for (`mark_layout`): compared on
-    every call, free. An unmarked one (sliced by hand, or copied) must hold the default global
-    positions of this rank's tokens; that costs reading the first row back, so it is checked once
-    per position-id shape. Without position ids the model would number every rank's tokens from
-    0, so they are required. This catches a global batch fed to every rank (on all ranks but
-    the first, whose slice starts at 0 as well) and a batch sliced for another layout or rank.
-
-    A model whose regions read the documents from the position ids' mark (GDN: `documents.DocumentFeed`)
-    checks unmarked position ids on every call (`every_call`): one flag read back from the device,
-    so that a packed batch that lost its mark is refused, never run as one document.
-    """
-
-    def __init__(self, cp_size: int, cp_rank: int, layout: str, *, every_call: bool = False):
-        self.expected = ShardLayout(layout, cp_size, cp_rank)
-        self.every_call = every_call
-        self.checked_shapes: set[tuple[int, ...]] = set()
-
-    def check(self, position_ids: torch.Tensor | None) -> None:
-        if position_ids is None:
-            raise CPInputError(
-                "the CP model was called without position_ids: it would number each rank's tokens from 0. "
-                "Pass the global batch through cpcompile.shard_batch, which gives every rank its slice "
-                "with global position ids"
-            )
-        mark = getattr(position_ids, LAYOUT_MARK, None)
-        if mark is not None:
-            if mark != self.expected:
-                raise CPInputError(
-                    f"the batch was sharded for {mark.describe()}, but this model was compiled for "
-                    f"{self.expected.describe()}: shard it with the plan and mesh the model was compiled with"
-                )
-            return
-        if self.every_call or tuple(position_ids.shape) not in self.checked_shapes:
-            self._check_values(position_ids)
-            self.checked_shapes.add(tuple(position_ids.shape))
-
-    def _check_values(self, position_ids: torch.Tensor) -> None:
-        layout, cp_size, cp_rank = self.expected
-        local_len = position_ids.shape[-1]
-        expected = local_indices(local_len * cp_size, cp_size, cp_rank, layout)
-        first_row = position_ids.reshape(-1, local_len)[0].cpu()
-        if not torch.equal(first_row, expected.to(first_row.dtype)):
-            raise CPInputError(
-                f"position_ids on cp rank {cp_rank} ({_ends(first_row)}) are not this rank's slice of the global "
-                f"sequence under the plan's {layout!r} layout, which would start at {int(expected[0])} "
-                f"({_ends(expected)}): was the global batch fed to every rank, or sliced for another layout? "
-                "Pass it through cpcompile.shard_batch (which also marks the slice, so any position ids pass)"
-            )
-
-
-def _ends(positions: torch.Tensor) -> str:
-    values = positions.tolist()
-    return f"{values[0]}..{values[-1]}" if len(values) <= 2 else f"{values[0]}, {values[1]}, ..., {values[-1]}"

@@ -1,7 +1,7 @@
 """`torch.compile` around CP regions: each new input signature runs eagerly once, then compiled
 as one graph with the regions inside.
 
-A rewritten region (`pipeline.InstalledRegion`) looks its graph up by the call's signature and
+A rewritten region (`installed_region.InstalledRegion`) looks its graph up by the call's signature and
 traces one on a signature it has not met: `torch.export`, the passes and, for a signature new to
 the cp group, one agreement gather. Dynamo can trace the lookup and inline the graph it finds into
 the caller's graph (collectives and custom ops included), so a layer holding regions compiles as

@@ -38,11 +38,11 @@ class DocumentFeed:
     """The position ids of the compiled model's current call when its batch is packed (None when
     not), for regions whose own call lacks them (GDN), and the global positions of a per-document
     Head-Tail batch's tokens (None for any other), which the Head-Tail SDPA regions read off their
-    own call and check against (`pipeline.InstalledRegion`). Set by the model's pre-hook on every
+    own call and check against (`installed_region.InstalledRegion`). Set by the model's pre-hook on every
     call.
 
     Under CP only a batch marked packed by `shard_batch` is treated as packed: an unmarked one must
-    hold the plain global positions of this rank's slice, which `batch.LayoutGuard` checks on every
+    hold the plain global positions of this rank's slice, which `sequence_layout.LayoutGuard` checks on every
     call of a model with such regions, so that packed documents never pass as one. Outside CP (no
     sharding, so no mark: the trainer's un-rewritten GDN layers) `marked_only=False` takes every
     call's position ids as they are, and `follow` keeps them from the model's calls.

@@ -6,7 +6,9 @@ Layout of a dump directory:
                                                 features that need CP rules, with how each was
                                                 handled (`model.hazards`, audit/config.py)
 
-One directory per rank: `cpcompile train` and the demo write `<dump_dir>/rank<r>`.
+One directory per rank: in a job of more than one process, `compile(..., dump_dir=D)` (and
+`cpcompile train` with `train.dump_dir: D`) writes `D/rank<r>`, r the global rank
+(`resolve_dump_dir`); with one process, `D` itself.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.fx as fx
 
 from . import collectives as C
@@ -26,9 +29,20 @@ from .passes.schedule import is_compute, is_model_compute
 ENV_VAR = "CPCOMPILE_DUMP_DIR"
 
 
-def resolve_dump_dir(dump_dir: str | os.PathLike | None) -> Path | None:
+def resolve_dump_dir(dump_dir: str | os.PathLike | None, rank: int | None = None,
+                     world_size: int | None = None) -> Path | None:
+    """The folder this process writes its dump to: `dump_dir`, else `CPCOMPILE_DUMP_DIR`, else none.
+    In a job of more than one process, `<dir>/rank<r>` with r the global rank, so that no two ranks
+    write into one folder (every rank writes `summary.json`). `rank` and `world_size` default to
+    torch.distributed's (0 of 1 without a process group). `compile` and `cpcompile train` follow
+    this one rule; `cpcompile inspect <dir>` names the rank folders inside a job's folder."""
     chosen = dump_dir if dump_dir is not None else os.environ.get(ENV_VAR)
-    return Path(chosen) if chosen else None
+    if not chosen:
+        return None
+    if rank is None or world_size is None:
+        initialized = dist.is_available() and dist.is_initialized()
+        rank, world_size = (dist.get_rank(), dist.get_world_size()) if initialized else (0, 1)
+    return Path(chosen) / f"rank{rank}" if world_size > 1 else Path(chosen)
 
 
 def collective_report(gm: fx.GraphModule) -> list[dict[str, Any]]:

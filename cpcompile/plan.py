@@ -18,25 +18,24 @@ What a plan may *not* do, on purpose:
 with `inner_wrapper`); it resolves to a `CPMethod` of the `local` core (methods/local_compute.py).
 `region_dispatch` must be false, except for a local compute function declared without collectives.
 
-Other modules that read YAML the same way (`trainer/config.py`) use the public helpers `read_yaml`,
-`reject_unknown_keys` and `check_size`, and `AcceleratorConfig.not_with_cp` for the
-parallelisms CP cannot be combined with.
+The YAML is read, and keys and sizes checked, by `yaml_input.py` (`read_yaml`,
+`reject_unknown_keys`, `check_size`), which the trainer's config (`trainer/config.py`) uses the
+same way, with `AcceleratorConfig.not_with_cp` for the parallelisms CP cannot be combined with.
+An `inner_wrapper` is resolved to its `CPMethod` by `methods/resolve.py`.
 """
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping
-
-import yaml
+from typing import Any, Iterable, Mapping
 
 from .errors import PlanError, short_repr
 from .methods import CONTIGUOUS, CPMethod, methods_of_core
 from .methods.local_compute import LOCAL_CORE, local_compute_method, registered_local_compute
-from .methods import names as wrapper_names
+from .methods.resolve import resolve_inner_wrapper
+from .yaml_input import check_size, read_yaml, reject_unknown_keys
 
 logger = logging.getLogger("cpcompile")
 
@@ -47,7 +46,6 @@ FLAG_KEYS = ("sequence_parallel", "loss_parallel")
 LEGACY_CP_KEYS = ("algorithm", "schedule", "ulysses_degree", "load_balance", "async_fallback")
 OVERRIDE_KEYS = ("match", "when", "region_dispatch", "inner_target", "inner_wrapper", "local_compute_fn")
 SUPPORTED_WHEN = ("cp",)
-TARGET_KEY = "_target_"
 
 _LEGACY_HINT = (
     "global CP method settings are no longer supported; declare the method per module with "
@@ -60,13 +58,6 @@ _REGION_DISPATCH_HINT = (
     "must be exactly false for a CP override: CP wrappers own their communication, so the "
     "region must not be dispatched again"
 )
-
-# A plan or a train config is a few hundred bytes and a few dozen nodes; these bounds leave room
-# for hundreds of overrides while keeping what a hostile file can cost small.
-MAX_YAML_BYTES = 64 * 1024
-MAX_YAML_NODES = 10_000  # counted with every alias expanded, as the document would be used
-MAX_SIZE = 2**31 - 1  # any size or count in a plan or train config
-
 
 # --------------------------------------------------------------------------- data
 
@@ -263,85 +254,6 @@ def load_plan(source: "str | os.PathLike | Mapping[str, Any] | Plan") -> Plan:
     )
 
 
-def read_yaml(path: "str | os.PathLike") -> Any:
-    """The YAML document at `path`, read as `yaml.safe_load` does; a `PlanError` naming the file
-    for a syntax error, a file above `MAX_YAML_BYTES`, or aliases that expand it past
-    `MAX_YAML_NODES` nodes (or into itself), checked before any Python object is built."""
-    field = os.fspath(path)
-    with open(path, "rb") as f:
-        data = f.read(MAX_YAML_BYTES + 1)
-    if len(data) > MAX_YAML_BYTES:
-        raise PlanError(field, f"the file is larger than {MAX_YAML_BYTES} bytes; "
-                               "a plan or train config is a few hundred")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise PlanError(field, f"not UTF-8 text (byte {exc.start})") from exc
-    loader = _UniqueKeyLoader(text)
-    loader.field = field
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        _check_expanded_size(field, node)
-        return loader.construct_document(node)
-    except yaml.YAMLError as exc:
-        raise PlanError(field, f"not valid YAML: {exc}") from exc
-    except RecursionError as exc:
-        raise PlanError(field, "not a plan: its collections are nested too deeply") from exc
-    finally:
-        loader.dispose()
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """`yaml.SafeLoader` that refuses a key given twice in one mapping, which YAML resolves by
-    keeping the last one silently (a second `steps:` would win unseen). Keys a merge (`<<: *a`)
-    brings in may still be overridden: that is what merging is for."""
-
-    field = "<yaml>"
-
-    def construct_mapping(self, node, deep=False):
-        if isinstance(node, yaml.MappingNode):
-            seen: dict = {}
-            for key_node, _ in node.value:
-                if key_node.tag == "tag:yaml.org,2002:merge" or not isinstance(key_node, yaml.ScalarNode):
-                    continue  # merges are allowed; a collection as a key is refused by the loader itself
-                key, line = self.construct_object(key_node), key_node.start_mark.line + 1
-                if key in seen:
-                    raise PlanError(self.field, f"line {line}: the key {short_repr(key)} is given twice in one "
-                                                f"mapping (first on line {seen[key]}); YAML would keep the last "
-                                                "one silently")
-                seen[key] = line
-        return super().construct_mapping(node, deep=deep)
-
-
-def _check_expanded_size(field: str, root: yaml.Node) -> None:
-    """Count `root`'s nodes as if every alias were expanded (a shared node once per use, from a
-    memo, so a few hundred bytes of nested aliases cost no more than their own nodes here)."""
-    expanded: dict[int, int] = {}
-    inside: set[int] = set()
-
-    def count(node: yaml.Node) -> int:
-        if id(node) in expanded:
-            return expanded[id(node)]
-        if id(node) in inside:
-            raise PlanError(field, "an alias refers to a collection that contains it (a recursive structure)")
-        inside.add(id(node))
-        children = node.value if isinstance(node, yaml.SequenceNode) else (
-            [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else ())
-        total = 1
-        for child in children:
-            total += count(child)
-            if total > MAX_YAML_NODES:
-                raise PlanError(field, f"has more than {MAX_YAML_NODES} nodes once its aliases (*name) are "
-                                       "expanded; a plan or train config has a few dozen")
-        inside.discard(id(node))
-        expanded[id(node)] = total
-        return total
-
-    count(root)
-
-
 # --------------------------------------------------------------------------- parsing
 
 
@@ -406,7 +318,7 @@ def _parse_override(index: int, raw: Any) -> Override:
         return Override(match=raw["match"], when=raw["when"], region_dispatch=raw["region_dispatch"],
                         inner_target=inner_target, method=method, local_compute_fn=method.wrapper, index=index)
     _check_region_dispatch(f"{path}.region_dispatch", raw["region_dispatch"])
-    method = _resolve_inner_wrapper(f"{path}.inner_wrapper", raw["inner_wrapper"])
+    method = resolve_inner_wrapper(f"{path}.inner_wrapper", raw["inner_wrapper"])
     return Override(
         match=raw["match"], when=raw["when"], region_dispatch=False,
         inner_target=inner_target, method=method, local_compute_fn=None, index=index,
@@ -431,102 +343,7 @@ def _resolve_local_compute(path: str, spec: Any, region_dispatch: Any) -> CPMeth
     return local_compute_method(found, params)
 
 
-def _resolve_inner_wrapper(path: str, spec: Any) -> CPMethod:
-    """Turn an `inner_wrapper` value into the CPMethod its (marked) wrapper returns."""
-    if isinstance(spec, str):
-        return _call_wrapper(path, spec, _lookup_name(path, spec), {})
-    if isinstance(spec, Mapping):
-        if TARGET_KEY not in spec:
-            raise PlanError(f"{path}.{TARGET_KEY}", "is required when inner_wrapper is a mapping")
-        target = spec[TARGET_KEY]
-        params = {k: v for k, v in spec.items() if k != TARGET_KEY}
-        for key in params:
-            if not isinstance(key, str):
-                raise PlanError(path, f"parameter names must be strings, got {short_repr(key)}")
-        if isinstance(target, str):
-            try:
-                fn = wrapper_names.import_marked_target(target)
-            except ValueError as exc:
-                raise PlanError(f"{path}.{TARGET_KEY}", str(exc)) from exc
-            return _call_wrapper(path, target, fn, params)
-        if callable(target):
-            return _call_wrapper(path, _callable_name(target), _check_marked(f"{path}.{TARGET_KEY}", target), params)
-        raise PlanError(f"{path}.{TARGET_KEY}", f"must be a dotted path string, got {type(target).__name__}")
-    if callable(spec):  # a dict or Python plan may hand over the wrapper object itself
-        return _call_wrapper(path, _callable_name(spec), _check_marked(path, spec), {})
-    raise PlanError(
-        path,
-        f"must be a registered name, a mapping with {TARGET_KEY}, or a marked callable; "
-        f"got {type(spec).__name__}",
-    )
-
-
-def _lookup_name(path: str, name: str) -> Callable:
-    names = wrapper_names.registered_names()
-    if name not in names:
-        hint = f"; for a dotted path write {{{TARGET_KEY}: {name}}}" if "." in name else ""
-        raise PlanError(path, f"unknown inner wrapper {short_repr(name)}; registered names: {', '.join(names)}{hint}")
-    try:
-        return wrapper_names.lookup_registered(name)
-    except ValueError as exc:
-        raise PlanError(path, f"registered wrapper {short_repr(name)} cannot be loaded: {exc}") from exc
-
-
-def _check_marked(path: str, fn: Any) -> Callable:
-    if not wrapper_names.is_inner_wrapper(fn):
-        raise PlanError(
-            path,
-            f"{_callable_name(fn)} is not marked with @cpcompile.inner_wrapper; "
-            "plans may only call marked inner wrappers",
-        )
-    return fn
-
-
-def _call_wrapper(path: str, label: str, fn: Callable, params: dict[str, Any]) -> CPMethod:
-    try:
-        inspect.signature(fn).bind(**params)
-    except TypeError as exc:
-        raise PlanError(path, f"bad parameters for inner wrapper {label}: {exc}") from exc
-    except ValueError:  # no introspectable signature (some builtins): let the call decide
-        pass
-    try:
-        method = fn(**params)
-    except (TypeError, ValueError) as exc:
-        given = ", ".join(f"{k}={short_repr(v)}" for k, v in params.items()) or "no parameters"
-        raise PlanError(path, f"inner wrapper {label} rejected its parameters ({given}): {exc}") from exc
-    if not isinstance(method, CPMethod):
-        raise PlanError(
-            path, f"inner wrapper {label} returned {type(method).__name__}, expected a CPMethod"
-        )
-    return method
-
-
-def _callable_name(fn: Any) -> str:
-    module = getattr(fn, "__module__", None)
-    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{name}" if module else name
-
-
 # --------------------------------------------------------------------------- field checks
-
-
-def reject_unknown_keys(path: str, raw: Mapping, allowed: tuple[str, ...]) -> None:
-    """A `PlanError` naming `path.key` for the first key of `raw` not in `allowed`."""
-    for key in raw:
-        if key not in allowed:
-            key = key if isinstance(key, str) else short_repr(key)
-            where = f"{path}.{key}" if path else key
-            raise PlanError(where, f"unknown key; allowed keys: {', '.join(allowed)}")
-
-
-def check_size(path: str, value: Any) -> None:
-    """A `PlanError` naming `path` unless `value` is an int from 1 to `MAX_SIZE` (bool refused)."""
-    if type(value) is not int:  # bool is an int subclass; refuse it here
-        raise PlanError(path, f"must be an integer >= 1, got {short_repr(value)} ({type(value).__name__})")
-    if value < 1:
-        raise PlanError(path, f"must be an integer >= 1, got {value}")
-    if value > MAX_SIZE:
-        raise PlanError(path, f"must be an integer >= 1 and at most {MAX_SIZE}, got {short_repr(value)}")
 
 
 def _check_flag(path: str, value: Any) -> None:

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import cpcompile
+from cpcompile.dump import resolve_dump_dir
 
 PLAN = """
 accelerator:
@@ -91,8 +92,8 @@ def main() -> None:
 
     model = build_model(seed=0)
     local = cpcompile.shard_batch(batch, mesh, plan)
-    rank_dump = os.path.join(args.dump_dir, f"rank{mesh.cp_rank}")
-    cpcompile.compile(model, mesh, plan, dump_dir=rank_dump, example_inputs=local)
+    cpcompile.compile(model, mesh, plan, dump_dir=args.dump_dir, example_inputs=local)  # each rank: <dump_dir>/rank<r>
+    rank_dump = str(resolve_dump_dir(args.dump_dir))  # this rank's folder, as compile chose it
     out = model(**local)
     out.loss.backward()
     cpcompile.all_reduce_gradients(model, mesh)

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
 from ..kernels.gdn.conv import causal_conv, conv_taps
-from ..kernels.gdn.ops import require_backend  # also registers the cpcompile:: ops
+from ..kernels.gdn.layer_ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
 from ..passes.gdn import all_gather, all_gather_head_tail, p2p, p2p_head_tail, ulysses
 

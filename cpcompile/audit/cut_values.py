@@ -41,7 +41,7 @@ def kept_leaves(tree: Any) -> list[tuple[str, Any]]:
             for path, leaf in leaves]
 
 def call_leaves(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """A call's leaves keyed by their paths in `(args, kwargs)`, as `pipeline.inputs_read` keys them."""
+    """A call's leaves keyed by their paths in `(args, kwargs)`, as `installed_region.inputs_read` keys them."""
     return kept_leaves((tuple(args), dict(kwargs)))
 
 def readable(path: str) -> str:

@@ -14,7 +14,9 @@ modules are cores by type. Everything downstream asks here, never a name string:
 
 Wrappers (`cpcompile.wrappers`, `adapters/qwen3_5.py`) make their `CPMethod` with
 `spec.cp_method(wrapper_name, **params)`; the registry finds the spec again by
-(core, name, asynchronous).
+(core, name, asynchronous). cpcompile's own methods and adapters are registered by
+`cpcompile/builtin_methods.py`, which the package imports; this module imports none of them
+(a plan's own wrappers register their methods the same way, when their module is imported).
 """
 from __future__ import annotations
 
@@ -105,16 +107,8 @@ def register_adapter(spec: AdapterSpec) -> AdapterSpec:
     return _register(_ADAPTERS, spec.name, spec, f"model adapter {spec.name!r}")
 
 
-def _load_builtins() -> None:
-    """cpcompile's own methods and adapters register when their modules are imported, which the
-    wrappers naming them import (a plan's own wrappers do the same for its methods); make sure
-    they are, whichever cpcompile module a caller happened to import first."""
-    from .. import adapters, wrappers  # noqa: F401
-
-
 def method_spec(method: CPMethod) -> MethodSpec:
     """The registered spec of the method a wrapper returned."""
-    _load_builtins()
     spec = _METHODS.get((method.core, method.name, method.asynchronous))
     if spec is None:
         known = ", ".join(sorted(s.label() for s in _METHODS.values()))
@@ -123,7 +117,6 @@ def method_spec(method: CPMethod) -> MethodSpec:
 
 
 def methods_of_core(core: str) -> list[MethodSpec]:
-    _load_builtins()
     return [spec for spec in _METHODS.values() if spec.core == core]
 
 
@@ -138,7 +131,6 @@ def region_for(method: CPMethod):
 
 def core_module_kind(module: Any) -> str | None:
     """The core kind a module *is* (cores found by module type rather than by an op call)."""
-    _load_builtins()
     for adapter in _ADAPTERS.values():
         if adapter.is_core_module is not None and adapter.is_core_module(module):
             return adapter.core

@@ -26,7 +26,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 from .config import TrainConfig
-from .memory import _attention_widths, layer_kinds, sdpa_method
+from .memory import sdpa_method
+from .memory_layers import _attention_widths, layer_kinds
 
 ATTENTION_FLOPS_PER_PAIR = 14  # x query width: forward 4, backward 10
 ATTENTION_TIME_WEIGHT = 0.235  # an attention FLOP's time in FLOPs of the rest (module doc: H200 fit)

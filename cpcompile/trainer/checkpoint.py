@@ -105,7 +105,7 @@ def check_compatible(folder: str, step: int, config, model: torch.nn.Module | No
 
 
 def reference_names(settings) -> list[str]:
-    """The names of verify's unrewritten copies (`loop._references` builds them)."""
+    """The names of verify's unrewritten copies (`verify.build_references` builds them)."""
     return ["reference", "fp32_reference"] if settings.dtype == "bfloat16" else ["reference"]
 
 

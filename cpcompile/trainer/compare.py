@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 from ..errors import CPCompileError
-from ..plan import check_size
-from .config import check_number, load_train_config
+from ..yaml_input import check_size
+from .config import load_train_config
+from .field_checks import check_number
 from .metrics import plot_curves, read_jsonl, relative
 
 Launch = Callable[[str, int, int, str], None]  # (config path, processes, steps, metrics file)

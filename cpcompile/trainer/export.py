@@ -26,7 +26,8 @@ import torch
 from ..errors import CPConfigError
 from . import checkpoint, resume_checks
 from .checkpoint import CONFIG_FILE
-from .config import DTYPES, transformers_module
+from .config_sections import DTYPES
+from .hf_config import transformers_module
 from .weights import INDEX_FILE, tied_duplicates
 
 DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9  # transformers' default shard size (also the CLI's --max-shard-mb)

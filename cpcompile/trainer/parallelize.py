@@ -53,8 +53,9 @@ from ..kernels.gdn.common import CHUNK_SIZE
 from ..mesh import CPMesh
 from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
 from . import weights
-from .checkpointing import EVERY_LAYER, ACMode, checkpoint_layers, offload_layer_inputs
-from .config import DTYPES, TrainSettings, model_config, transformers_module
+from .activation_checkpointing import EVERY_LAYER, ACMode, checkpoint_layers, offload_layer_inputs
+from .config_sections import DTYPES, TrainSettings
+from .hf_config import model_config, transformers_module
 
 
 
@@ -154,14 +155,14 @@ def apply_tensor_parallel(model: torch.nn.Module, mesh: CPMesh) -> None:
 
 
 def apply_activation_checkpointing(model: torch.nn.Module, mode: ACMode = EVERY_LAYER) -> list[int]:
-    """The decoder layers `mode` picks under non-reentrant `torch.utils.checkpoint` (checkpointing.py);
+    """The decoder layers `mode` picks under non-reentrant `torch.utils.checkpoint` (activation_checkpointing.py);
     -> their indices."""
     return checkpoint_layers(decoder_layers(model), mode)
 
 
 def apply_input_offload(model: torch.nn.Module, mode: ACMode, pin_memory: bool) -> list[int]:
     """The inputs of the decoder layers `mode` checkpoints kept in host memory until their backward
-    (checkpointing.py `offload_layer_inputs`; after `compile_layers`, around the compiled forward);
+    (activation_checkpointing.py `offload_layer_inputs`; after `compile_layers`, around the compiled forward);
     -> their indices."""
     return offload_layer_inputs(decoder_layers(model), mode, pin_memory)
 

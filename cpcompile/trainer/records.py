@@ -22,7 +22,7 @@ def read_text(path: str) -> str:
     try:
         with open(path, encoding="utf-8") as handle:
             return handle.read()
-    except UnicodeDecodeError as exc:  # past the part the config checked (config.check_text_file)
+    except UnicodeDecodeError as exc:  # past the part the config checked (field_checks.check_text_file)
         raise PlanError("data.path", f"{path} is not UTF-8 text (byte {exc.start})") from exc
 
 

@@ -92,7 +92,7 @@ def apply_to_optimizer(optimizer, scheduler, config) -> None:
     values back (the LR is computed by the same expression LambdaLR uses), so a plain resume stays
     bit for bit the uninterrupted run."""
     opt, lr = config.optimizer, config.train.lr
-    # LambdaLR saves no plain function, so its lambdas are this run's (`loop.build_optimizer`)
+    # LambdaLR saves no plain function, so its lambdas are this run's (`optimizer.build_optimizer`)
     factors, step = scheduler.lr_lambdas, scheduler.last_epoch
     for group, factor in zip(optimizer.param_groups, factors):
         group.update(betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay, initial_lr=lr)

@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from ..errors import PlanError, short_repr
 from . import checkpoint
-from .config import DTYPES, TrainConfig, pretrained_folder
+from .config import TrainConfig, pretrained_folder
+from .config_sections import DTYPES
 from .parallelize import meta_model
 from .weights import check_weights_fit
 

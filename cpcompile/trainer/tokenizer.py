@@ -14,9 +14,10 @@ import os
 from typing import TYPE_CHECKING
 
 from ..errors import PlanError, short_repr
+from .hf_config import transformers_module
 
 if TYPE_CHECKING:
-    from .config import DataSettings
+    from .config_sections import DataSettings
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -102,8 +103,6 @@ def check_tokenizer_folder(folder: str) -> None:
 
 
 def _load(folder: str):
-    from .config import transformers_module  # config imports this module's checks
-
     transformers = transformers_module()
     try:
         return transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from cpcompile import CPInputError
-from cpcompile.batch import LayoutGuard, shard_batch
+from cpcompile.batch import shard_batch
 from cpcompile.methods import CONTIGUOUS, HEAD_TAIL, CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan
+from cpcompile.sequence_layout import LayoutGuard
 
 
 def _local(layout: str, cp_rank: int, seq_len: int = 16) -> dict:

@@ -14,11 +14,12 @@ import types
 import pytest
 import torch
 
-from cpcompile.batch import local_indices, shard_batch, unshard
+from cpcompile.batch import shard_batch, unshard
 from cpcompile.documents import GLOBAL_POSITIONS, per_document_head_tail
 from cpcompile.errors import CPInputError
 from cpcompile.methods import HEAD_TAIL, CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan
+from cpcompile.sequence_layout import local_indices
 from dist_utils import run_distributed
 
 

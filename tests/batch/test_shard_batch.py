@@ -9,16 +9,11 @@ import torch
 from cpcompile.errors import CPInputError
 import torch.distributed as dist
 
-from cpcompile.batch import (
-    ALLOWED_KEYS,
-    local_indices,
-    reorder_for_layout,
-    restore_order,
-    shard_batch,
-    unshard,
-)
+from cpcompile.batch import shard_batch, unshard
+from cpcompile.batch_fields import ALLOWED_KEYS
 from cpcompile.methods import CONTIGUOUS, HEAD_TAIL, CPMethod
 from cpcompile.plan import AcceleratorConfig, Override, Plan
+from cpcompile.sequence_layout import local_indices, reorder_for_layout, restore_order
 
 from dist_utils import run_distributed as _launch
 

@@ -62,11 +62,11 @@ def _interpreted(script: str, *args: str) -> str:
 
 def test_gdn_kernel_tuner_smoke():
     """The `--tune` sweep reaches every GDN kernel key and keeps one setting each (CPU interpreter)."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launching
 
     out = _interpreted("gdn_kernels.py", "--smoke")
     chosen = {line.split("|")[1].strip() for line in out.splitlines() if line.endswith("* |")}
-    assert chosen == set(launch.NUM_WARPS), out[-2000:]
+    assert chosen == set(launching.NUM_WARPS), out[-2000:]
 
 
 def test_gdn_accuracy_smoke():

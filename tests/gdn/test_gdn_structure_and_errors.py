@@ -36,14 +36,14 @@ def _structure(rank: int, world: int, dump_root: str) -> dict:
         plan = cpcompile.load_plan(gdn_plan(world, method, sdpa=sdpa))
         mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
         local = cpcompile.shard_batch(random_batch(rank, 2, 8 * world, padded=True), mesh, plan)
-        dump = f"{dump_root}/{method}/rank{rank}"
+        dump = f"{dump_root}/{method}"  # compile writes <dump>/rank<r>
         model = cpcompile.compile(tiny_qwen3_5(0), mesh, plan, example_inputs=local, dump_dir=dump)
 
         with collective_log() as forward:
             out = model(**local)
         with collective_log() as backward:
             out.loss.backward()
-        summary = json.loads(open(f"{dump}/summary.json").read())
+        summary = json.loads(open(f"{dump}/rank{rank}/summary.json").read())
         gdn = [r for r in summary["regions"] if r["core"] == "gdn"]
         result[method] = {
             "forward": forward,

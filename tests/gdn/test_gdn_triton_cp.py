@@ -67,9 +67,9 @@ def use_core(holder: LayerHolder, backend: str) -> LayerHolder:
 
 
 def _interpreted_kernels() -> bool:
-    from cpcompile.kernels.gdn.triton import kernels
+    from cpcompile.kernels.gdn.triton import prepare
 
-    return type(kernels.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"
+    return type(prepare.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"
 
 
 def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len: int, dtype, seed: int,
@@ -110,7 +110,7 @@ def layer_cp_errors(rank: int, world: int, method: str, config: dict, local_len:
         **parameter_grad_errors(model, reference, truth),  # truth: a float64 eager run (fp32 runs)
         "finite": bool(torch.isfinite(out).all() and all(torch.isfinite(p.grad).all() for p in model.parameters())),
         "interpreted": _interpreted_kernels() if device_type == "cpu" else None,
-        "notes": json.load(open(os.path.join(dump, "summary.json")))["regions"][0]["notes"],
+        "notes": json.load(open(os.path.join(dump, f"rank{rank}", "summary.json")))["regions"][0]["notes"],
     }
 
 

@@ -79,7 +79,7 @@ def _op_body(rank: int, world: int, seed: int) -> dict:
 def _packed_model_body(rank: int, world: int, seed: int) -> dict:
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
-    from cpcompile.kernels.gdn.triton import kernels
+    from cpcompile.kernels.gdn.triton import prepare
 
     def make(dtype=torch.float32):
         torch.manual_seed(seed)
@@ -105,7 +105,7 @@ def _packed_model_body(rank: int, world: int, seed: int) -> dict:
     return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]),
             "grads": {n: rel(got["grads"][n], g) for n, g in want["grads"].items()},
             "decay_vs_truth": decay_vs_truth(got["grads"], want["grads"], truth["grads"]),
-            "interpreted": type(kernels.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"}
+            "interpreted": type(prepare.gdn_fwd_prepare_kernel).__name__ == "InterpretedFunction"}
 
 
 def _run_all(rank: int, world: int, seed: int) -> dict:

@@ -15,14 +15,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpcompile.kernels.gdn import eager, summary
+from cpcompile.kernels.gdn import eager, inputs, naive, summary
 from cpcompile.kernels.gdn.common import l2norm as l2_normalize
-from cpcompile.kernels.gdn.eager import (
-    chunk_gated_delta_rule_eager,
-    gdn_local_state_grad,
-    gdn_segment_summary,
-    naive_recurrent_gated_delta_rule,
-)
+from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager, gdn_local_state_grad, gdn_segment_summary
+from cpcompile.kernels.gdn.naive import naive_recurrent_gated_delta_rule
 from cpcompile.kernels.gdn.summary import apply_summary, combine_summaries, summary_adjoint
 from gdn_summary_chain import chain_state_grads, compose_summaries
 
@@ -161,7 +157,7 @@ def test_bf16_inputs_close_to_fp32_oracle(chunk_size):
 
 def explicit_transition(k, g, beta, l2norm):
     """Per-token product of exp(g_t)(I - beta_t k_t k_t^T), later tokens on the left (tiny T only)."""
-    kh = eager.expand_key_heads(l2_normalize(k) if l2norm else k, g.shape[2])
+    kh = inputs.expand_key_heads(l2_normalize(k) if l2norm else k, g.shape[2])
     key_dim = k.shape[-1]
     m = torch.eye(key_dim, dtype=k.dtype).expand(*g.shape[::2], key_dim, key_dim)
     for t in range(k.shape[1]):
@@ -397,7 +393,7 @@ def test_rejects_bad_shapes_with_named_cause():
 
 
 def test_module_never_imports_triton():
-    for module in (eager, summary):
+    for module in (eager, inputs, naive, summary):
         tree = ast.parse(pathlib.Path(module.__file__).read_text())
         imported = {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
         imported |= {node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}

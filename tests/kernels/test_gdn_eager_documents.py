@@ -10,9 +10,8 @@ import pytest
 import torch
 
 from cpcompile.errors import CPInputError
-from cpcompile.kernels.gdn.eager import (
-    chunk_gated_delta_rule_eager, gdn_segment_summary, naive_recurrent_gated_delta_rule,
-)
+from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager, gdn_segment_summary
+from cpcompile.kernels.gdn.naive import naive_recurrent_gated_delta_rule
 from test_gdn_eager import make_inputs, rel_err
 
 
@@ -93,7 +92,7 @@ def test_starts_must_be_bool_tokens():
 def test_ops_take_starts():
     """`cpcompile::gdn_chunk` / `gdn_summary` with starts: schema, fake and autograd agree (opcheck),
     and starts that are not bool tokens are refused (the triton backend's: test_gdn_triton_documents)."""
-    from cpcompile.kernels.gdn import ops  # noqa: F401  (registers the ops)
+    from cpcompile.kernels.gdn import layer_ops  # noqa: F401  (registers the ops)
 
     q, k, v, g, beta, h0 = make_inputs(batch=1, seq_len=13, dtype=torch.float64)
     starts = random_starts(1, 13, count=2)

@@ -1,6 +1,6 @@
 """The GDN cores where an unstable chunk inverse fails: correlated keys and weak decay.
 
-Every regime of ``cpcompile.kernels.gdn.stress`` (key cosine 0 / 0.5 / 0.75 / 0.95 x gate scale
+Every regime of ``gdn_stress`` (beside this file) (key cosine 0 / 0.5 / 0.75 / 0.95 x gate scale
 0 / 0.01 / 0.1 / 1) in the layouts where a chunk inverse fails (one chunk; a partial chunk with
 grouped heads, batch 2 and an initial state), and the hardest regimes and one easy one in the
 longer layouts (1000 tokens; packed documents through ``cu_seqlens``; they add the state carried
@@ -28,7 +28,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from cpcompile.kernels.gdn.stress import (  # noqa: E402
+from gdn_stress import (  # noqa: E402
     KEY_COSINES, REGIMES, Layout, Regime, cpcompile_core, mean_key_cosine, relative_errors, run_core, stress_case,
     stress_inputs)
 
@@ -72,11 +72,11 @@ def test_triton_core_as_accurate_as_eager(regime, layout):
 @pytest.mark.skipif(not INTERPRET, reason="CPU interpreter set (TRITON_INTERPRET=1)")
 @pytest.mark.parametrize("regime", HARDEST_REGIMES, ids=[str(r) for r in HARDEST_REGIMES])
 def test_substitution_inverse_as_accurate_as_eager(monkeypatch, regime):
-    """The blocked forward-substitution inverse (``launch.INVERSE_BLOCK = 16``), the alternative to
+    """The blocked forward-substitution inverse (``prepare.INVERSE_BLOCK = 16``), the alternative to
     the default recursive doubling."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import prepare
 
-    monkeypatch.setattr(launch, "INVERSE_BLOCK", 16)
+    monkeypatch.setattr(prepare, "INVERSE_BLOCK", 16)
     seed = 7 + HARDEST_REGIMES.index(regime)
     layout = LAYOUTS["partial-grouped-h0"]
     _as_accurate_as_eager(stress_case(regime, layout, seed), "cpu", f"{regime} substitution")

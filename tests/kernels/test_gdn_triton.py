@@ -24,7 +24,7 @@ from cpcompile.kernels.gdn.eager import chunk_gated_delta_rule_eager  # noqa: E4
 from cpcompile.kernels.gdn.summary import chain_grad_step, chain_step  # noqa: E402
 from cpcompile.kernels.gdn.triton import GDNCapabilityError  # noqa: E402
 from cpcompile.kernels.gdn.triton import capability as cap  # noqa: E402
-from cpcompile.kernels.gdn.triton import ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
+from cpcompile.kernels.gdn.triton import kernel_ops as _ops  # noqa: E402,F401  (registers torch.ops.cpcompile.gdn_*)
 from triton.runtime.errors import OutOfResources  # noqa: E402
 import gdn_p2p_ops  # noqa: E402,F401  (registers the test-only torch.ops.cpcompile_test.gdn_p2p_*)
 
@@ -160,13 +160,13 @@ P2P_VARIANTS = [pytest.param(hs, bv, id=f"hs{hs}-bv{bv}") for hs in (1, 2, 16) f
 
 
 def _p2p_variant(monkeypatch, hstride, bv):
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launching, p2p_output, p2p_summary
 
-    monkeypatch.setattr(launch, "P2P_HSTRIDE", hstride)
-    monkeypatch.setattr(launch, "P2P_OUTPUT_BV", bv)
-    monkeypatch.setattr(launch, "P2P_IDENTITY_BV", bv)
-    monkeypatch.setitem(launch.STATE_BV, "p2p_summary", bv)
-    monkeypatch.setattr(launch, "P2P_CHAIN_BV", bv)
+    monkeypatch.setattr(p2p_output, "P2P_HSTRIDE", hstride)
+    monkeypatch.setattr(p2p_output, "P2P_OUTPUT_BV", bv)
+    monkeypatch.setattr(p2p_summary, "P2P_IDENTITY_BV", bv)
+    monkeypatch.setitem(launching.STATE_BV, "p2p_summary", bv)
+    monkeypatch.setattr(p2p_summary, "P2P_CHAIN_BV", bv)
 
 
 @cpu_only
@@ -185,12 +185,12 @@ def test_p2p_pieces_match_oracle_bf16(monkeypatch):
 
 @cpu_only
 def test_p2p_output_rejects_other_hstride(monkeypatch):
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launch, p2p_output
 
     q, k, v, g, beta, state = _inputs(1, 256, 1, 1, 16, 16, torch.float32, seed=6, h0=True)
-    monkeypatch.setattr(launch, "P2P_HSTRIDE", 1)
+    monkeypatch.setattr(p2p_output, "P2P_HSTRIDE", 1)
     _, _, saved = launch.p2p_fwd_summary(k, v, g, beta)
-    monkeypatch.setattr(launch, "P2P_HSTRIDE", 2)
+    monkeypatch.setattr(p2p_output, "P2P_HSTRIDE", 2)
     with pytest.raises(ValueError, match="same setting"):
         launch.p2p_fwd_output(q, k, saved, state, 0.25)
 
@@ -200,9 +200,9 @@ def test_p2p_hstride_fills_one_output_wave(monkeypatch):
     (a power of two within P2P_HSTRIDE_RANGE); a fixed P2P_HSTRIDE overrides it; no SMs, the shortest."""
     from types import SimpleNamespace
 
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launch, p2p_output
 
-    monkeypatch.setattr(launch, "P2P_HSTRIDE", None)
+    monkeypatch.setattr(p2p_output, "P2P_HSTRIDE", None)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(multi_processor_count=132))
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
 
@@ -214,7 +214,7 @@ def test_p2p_hstride_fills_one_output_wave(monkeypatch):
     assert pick(1, 32, 258) == 128  # 65 chunks a group rounds up: 3 groups, the last one short
     assert pick(2, 32, 256) == 128 and pick(1, 8, 1024) == 64  # twice the heads: half the groups; a quarter: 4x
     assert launch.p2p_hstride(1, 32, 128, 1024, bf16, torch.device("cpu")) == 16
-    monkeypatch.setattr(launch, "P2P_HSTRIDE", 2)
+    monkeypatch.setattr(p2p_output, "P2P_HSTRIDE", 2)
     assert pick(1, 32, 1024) == 2
 
 
@@ -240,28 +240,28 @@ def test_launch_steps_down_to_fit_shared_memory(monkeypatch):
     naming the kernel and both depths, then straight to that depth; none fits: the capability error."""
     import warnings
 
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launching
 
-    monkeypatch.setattr(launch, "_FITTED_STAGES", {})
+    monkeypatch.setattr(launching, "_FITTED_STAGES", {})
     kernel = _DeepKernel(fits=2)
     with pytest.warns(RuntimeWarning, match="fake_gdn_kernel .* tuned 4 pipeline stages; running it at 2"):
-        launch._launch(kernel, (1,), "arg", num_stages=4, num_warps=4, BV=64)
+        launching.launch(kernel, (1,), "arg", num_stages=4, num_warps=4, BV=64)
     assert kernel.tried == [4, 3, 2]
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        launch._launch(kernel, (1,), "arg", num_stages=4, num_warps=4, BV=64)
+        launching.launch(kernel, (1,), "arg", num_stages=4, num_warps=4, BV=64)
     assert kernel.tried == [4, 3, 2, 2]
     with pytest.warns(RuntimeWarning, match="tuned 3 pipeline stages"):  # Triton's default depth steps down too
-        launch._launch(kernel, (1,), "arg", num_warps=4, BV=64)
+        launching.launch(kernel, (1,), "arg", num_warps=4, BV=64)
     assert kernel.tried[-2:] == [3, 2]
     with pytest.raises(GDNCapabilityError, match="unsupported shared memory: fake_gdn_kernel needs 40000 at 1"):
-        launch._launch(_DeepKernel(fits=0), (1,), num_stages=3, num_warps=4)
-    monkeypatch.setattr(launch, "FIT_STAGES", False)  # a tuning sweep: the named depth or an error
+        launching.launch(_DeepKernel(fits=0), (1,), num_stages=3, num_warps=4)
+    monkeypatch.setattr(launching, "FIT_STAGES", False)  # a tuning sweep: the named depth or an error
     with pytest.raises(GDNCapabilityError, match="needs 160000 at 4"):
-        launch._launch(_DeepKernel(fits=2), (1,), num_stages=4, num_warps=8)
+        launching.launch(_DeepKernel(fits=2), (1,), num_stages=4, num_warps=8)
     registers = _DeepKernel(fits=0, resource="registers")
     with pytest.raises(GDNCapabilityError, match="unsupported registers: fake_gdn_kernel needs 120000 at 3"):
-        launch._launch(registers, (1,), num_stages=3, num_warps=4)
+        launching.launch(registers, (1,), num_stages=3, num_warps=4)
     assert registers.tried == [3]  # fewer stages do not save registers
 
 
@@ -482,12 +482,12 @@ def test_gpu_p2p_long(T):
 def test_gpu_overdeep_pipeline_steps_down(monkeypatch):
     """A summary pass asked for 8 stages (an H200 fits 5 at K = V = 128) warns, runs at a depth that
     fits and gives what the tuned depth gives, bit for bit."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launch, launching
 
     _, k, v, g, beta, _ = _inputs(1, 4096 + 37, 2, 4, 128, 128, torch.bfloat16, seed=11)
     tuned = launch.p2p_fwd_summary(k, v, g, beta)
-    monkeypatch.setattr(launch, "_FITTED_STAGES", {})
-    monkeypatch.setitem(launch.NUM_STAGES, "p2p_summary", 8)
+    monkeypatch.setattr(launching, "_FITTED_STAGES", {})
+    monkeypatch.setitem(launching.NUM_STAGES, "p2p_summary", 8)
     with pytest.warns(RuntimeWarning, match="gdn_p2p_summary_kernel .* tuned 8 pipeline stages; running it at"):
         deep = launch.p2p_fwd_summary(k, v, g, beta)
     for a, b in zip([*tuned[:2], tuned[2][4]], [*deep[:2], deep[2][4]]):  # M, S, the stored [P | h0]

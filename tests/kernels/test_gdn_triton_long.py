@@ -146,9 +146,9 @@ def test_gpu_long_sequence_with_small_heads_is_the_chain_of_its_halves():
 def _check_p2p_against_plain(monkeypatch, T, dims=DIMS, device="cuda"):
     """State-P2P's forward with one stored ``[P | h0]`` state a chunk (``P2P_HSTRIDE = 1``, one group a
     chunk): output and ``M H_in + S`` against the plain forward from the same incoming state."""
-    from cpcompile.kernels.gdn.triton import launch
+    from cpcompile.kernels.gdn.triton import launch, p2p_output
 
-    monkeypatch.setattr(launch, "P2P_HSTRIDE", 1)
+    monkeypatch.setattr(p2p_output, "P2P_HSTRIDE", 1)
     q, k, v, g, beta, h_in = _inputs(T, 5, dims, device)
     q, k = launch.l2norm_fwd(q)[0], launch.l2norm_fwd(k)[0]
     scale = dims[2] ** -0.5

@@ -66,13 +66,14 @@ def _dumped_hazards(seed: int, world: int) -> list:
     import tempfile
 
     import cpcompile
+    from cpcompile.dump import resolve_dump_dir
 
     plan = cpcompile.load_plan(sdpa_plan(world))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     with tempfile.TemporaryDirectory() as dump:
         local = cpcompile.shard_batch(random_batch(seed, 1, 16, False), mesh, plan)
         cpcompile.compile(dynamic_llama(seed), mesh, plan, example_inputs=local, dump_dir=dump)
-        with open(f"{dump}/summary.json") as summary:
+        with open(resolve_dump_dir(dump) / "summary.json") as summary:  # this rank's folder
             return json.load(summary)["model"]["hazards"]
 
 

@@ -57,13 +57,14 @@ def _dumped(seed: int, world: int) -> dict:
     import tempfile
 
     import cpcompile
+    from cpcompile.dump import resolve_dump_dir
 
     plan = cpcompile.load_plan(sdpa_plan(world))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     with tempfile.TemporaryDirectory() as dump:
         local = cpcompile.shard_batch(random_batch(seed, 1, LENGTH, False), mesh, plan)
         cpcompile.compile(tuned_llama4(seed, chunk=LENGTH), mesh, plan, example_inputs=local, dump_dir=dump)
-        with open(f"{dump}/summary.json") as summary:
+        with open(resolve_dump_dir(dump) / "summary.json") as summary:  # this rank's folder
             return json.load(summary)
 
 
@@ -176,9 +177,9 @@ def test_the_symbolic_trace_tells_each_read_of_the_length(kind, what):
 
 def test_length_audit_is_shared_only_by_alike_modules_and_calls():
     """The local-length audit's finding is reused for a module and call alike but for the layer number
-    and the length (`pipeline.module_identity`, `length_free_signature`), never across a difference
+    and the length (`installed_region.module_identity`, `length_free_signature`), never across a difference
     that can change what the code reads (Llama-4's `use_rope`, its config, a parameter shape, another batch)."""
-    from cpcompile.pipeline import length_free_signature, module_identity
+    from cpcompile.installed_region import length_free_signature, module_identity
     from cpcompile.region import flatten_call
 
     class Attention(torch.nn.Module):

@@ -11,7 +11,8 @@ import pytest
 
 import cpcompile
 from cpcompile.errors import PlanError
-from cpcompile.plan import MAX_YAML_BYTES, MAX_YAML_NODES, load_plan
+from cpcompile.plan import load_plan
+from cpcompile.yaml_input import MAX_YAML_BYTES, MAX_YAML_NODES
 
 FIELD = "plan_overrides[0].inner_wrapper._target_"
 

@@ -84,7 +84,7 @@ def _structure(rank: int, world: int) -> dict:
         local = cpcompile.shard_batch(random_batch(0, B, LOCAL * world, padded=True), mesh, plan)
         with tempfile.TemporaryDirectory() as dump_dir:
             model = cpcompile.compile(tiny_qwen3(0), mesh, plan, example_inputs=local, dump_dir=dump_dir)
-            summary = json.loads((Path(dump_dir) / "summary.json").read_text())
+            summary = json.loads((Path(dump_dir) / f"rank{rank}" / "summary.json").read_text())  # one per rank
         roles = _group_roles(mesh, name)
         out[name] = {
             "layers": [_layer_collectives(layer, roles) for layer in model.model.layers],

@@ -108,7 +108,7 @@ def _per_document_head_tail(rank: int, world: int, seed: int, dump: str) -> dict
     plan = cpcompile.load_plan(sdpa_plan(world, wrapper=HEAD_TAIL_WRAPPER))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
     local = cpcompile.shard_batch(batch, mesh, plan)
-    model = cpcompile.compile(make(), mesh, plan, example_inputs=local, dump_dir=os.path.join(dump, str(rank)))
+    model = cpcompile.compile(make(), mesh, plan, example_inputs=local, dump_dir=dump)
     out = model(**local)
     out.loss.backward()
     cpcompile.all_reduce_gradients(model, mesh)
@@ -118,7 +118,7 @@ def _per_document_head_tail(rank: int, world: int, seed: int, dump: str) -> dict
     plain = cpcompile.unshard(model(**cpcompile.shard_batch(unpacked, mesh, plan)).logits.detach(), mesh, plan)
     with torch.no_grad():
         plain_want = make()(**unpacked, use_cache=False).logits
-    summary = json.load(open(os.path.join(dump, str(rank), "summary.json")))
+    summary = json.load(open(os.path.join(dump, f"rank{rank}", "summary.json")))  # compile: one folder per rank
     return {"logits": rel(cpcompile.unshard(out.logits.detach(), mesh, plan, batch=local), want["logits"]),
             "loss": rel(loss, want["loss"]),
             "grads": {n: rel(p.grad, want["grads"][n]) for n, p in model.named_parameters()},

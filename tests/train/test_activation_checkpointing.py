@@ -1,4 +1,4 @@
-"""`train.activation_checkpointing` (cpcompile/trainer/checkpointing.py) in real gloo runs at cp 2,
+"""`train.activation_checkpointing` (cpcompile/trainer/activation_checkpointing.py) in real gloo runs at cp 2,
 float64: a tiny Qwen3.5 (GDN State-P2P + SDPA AllGather, eager GDN core, FSDP2 over the 2 ranks)
 trains the same losses and gradient norms under every_layer, {every_n: 2} and selective as
 without checkpointing; the layers replayed in the backward are the ones each mode picks; the
@@ -38,14 +38,14 @@ def _logging_recomputes(ops: collections.Counter):
     a dispatch mode under the checkpoint's own, which answers the saved ones itself."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from cpcompile.trainer import checkpointing
+    from cpcompile.trainer import activation_checkpointing
 
     class Count(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             ops[str(func)] += 1
             return func(*args, **(kwargs or {}))
 
-    policy_contexts = checkpointing.selective_contexts
+    policy_contexts = activation_checkpointing.selective_contexts
 
     def contexts():
         forward, recompute = policy_contexts()
@@ -56,7 +56,7 @@ def _logging_recomputes(ops: collections.Counter):
                 yield
         return forward, counted_recompute()
 
-    checkpointing.selective_contexts = contexts
+    activation_checkpointing.selective_contexts = contexts
 
 
 def _replays(model) -> collections.Counter:
@@ -96,7 +96,7 @@ def _new_signature_inside_selective(rank: int, world: int, seed: int) -> float:
     regions first meet inside the checkpointed forward (so they trace it there)."""
     import cpcompile
     from cp_harness import qwen3_with_heads
-    from cpcompile.trainer.checkpointing import ACMode
+    from cpcompile.trainer.activation_checkpointing import ACMode
     from cpcompile.trainer.parallelize import apply_activation_checkpointing
 
     plan = cpcompile.load_plan(sdpa_plan(world))
@@ -190,8 +190,8 @@ def test_a_bad_setting_is_refused_naming_the_field(ac, field, words):
 
 def test_yaml_spells_the_modes(tmp_path):
     """A bare `off` (YAML 1.1's False), the mapping `{every_n: 2}` and `every_n: 1` (every_layer)."""
-    from cpcompile.plan import read_yaml
-    from cpcompile.trainer.checkpointing import ACMode, parse_ac_mode
+    from cpcompile.yaml_input import read_yaml
+    from cpcompile.trainer.activation_checkpointing import ACMode, parse_ac_mode
 
     path = tmp_path / "ac.yaml"
     path.write_text("a: off\nb: {every_n: 2}\nc:\n  every_n: 1\nd: selective\n")

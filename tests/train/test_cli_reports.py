@@ -32,16 +32,16 @@ def _config_file(tmp_path, cp: int = 2, **train) -> str:
 
 def _main_on_rank(rank: int, world: int, argv: list[str], break_gradient_sum: bool):
     """`cpcompile.cli.main(argv)` on this rank: (exit status or the exception's name, stderr)."""
-    import cpcompile.trainer.loop as loop
+    import cpcompile.trainer.step as step
 
     if break_gradient_sum:  # a CP bug on purpose: only rank 0's share of the loss reaches the gradient
-        real = loop.global_mean_loss
+        real = step.global_mean_loss
 
         def rank_0_only(local_sum, tokens, mesh):
             loss = real(local_sum, tokens, mesh)
             return loss if rank == 0 else loss * 0 + loss.detach()
 
-        loop.global_mean_loss = rank_0_only
+        step.global_mean_loss = rank_0_only
     from cpcompile.cli import main
 
     err = io.StringIO()

@@ -32,9 +32,9 @@ def _stall(where: str, stalled: list) -> None:
     """Make this rank sleep past the timeout at `where`; note when it started in `stalled`."""
     import cpcompile.pipeline as pipeline
     import cpcompile.trainer.checkpoint as checkpoint
-    import cpcompile.trainer.loop as loop
+    import cpcompile.trainer.step as step
 
-    owner, name, call = {"forward": (loop, "token_loss_sum", 2), "checkpoint": (checkpoint, "save", 1),
+    owner, name, call = {"forward": (step, "token_loss_sum", 2), "checkpoint": (checkpoint, "save", 1),
                          "compile": (pipeline, "agree", 1)}[where]
     real, calls = getattr(owner, name), []
 

@@ -34,7 +34,8 @@ def _config(cp: int, seq_len: int, loss: str, ac: str = "every_layer", sdpa="sdp
 
 
 def test_parameters_counted_from_the_config_are_the_models(model):
-    from cpcompile.trainer.memory import layer_kinds, layer_parameters, root_parameters
+    from cpcompile.trainer.memory import root_parameters
+    from cpcompile.trainer.memory_layers import layer_kinds, layer_parameters
 
     text = model.config.get_text_config()
     for index, kind in enumerate(layer_kinds(text)):
@@ -72,7 +73,7 @@ H200_PEAKS = [row if len(row) == 7 else (*row, {}) for row in H200_PEAKS]  # the
 
 @pytest.mark.parametrize("cp, seq_len, loss, ac, sdpa, peak, switches", H200_PEAKS)
 def test_the_h200_measurements(model, cp, seq_len, loss, ac, sdpa, peak, switches):
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     estimate = memory_estimate(_config(cp, seq_len, loss, ac, sdpa, **switches), params, model.config)
@@ -122,7 +123,7 @@ SIMULATED_PEAKS = [
 def test_the_h200_measurements_of_one_cp_rank(model, cp, tokens, sdpa, rank, peak):
     """Rank by rank: under AllGather the last rank's attention reads every other rank's keys in one
     kernel call (cuDNN: K/V repeated per query head), 7 GiB more than rank 0 at CP=16 and 512K."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     config = _config(cp, tokens, "chunked", sdpa=sdpa, device="cuda")
@@ -133,8 +134,9 @@ def test_the_h200_measurements_of_one_cp_rank(model, cp, tokens, sdpa, rank, pea
 def test_the_dry_run_estimate_is_the_busiest_ranks(model):
     """Without a rank the estimate is the job's peak: AllGather's last rank, Head-Tail's first
     (its tail chunk follows every other chunk); an estimate for a rank outside the job is refused."""
-    from cpcompile.trainer.loop import memory_estimate
-    from cpcompile.trainer.memory import attended_keys, busiest_rank
+    from cpcompile.trainer.dry_run_report import memory_estimate
+    from cpcompile.trainer.memory import busiest_rank
+    from cpcompile.trainer.memory_layers import attended_keys
 
     params = sum(p.numel() for p in model.parameters())
     gather = _config(16, 512 * K, "chunked", device="cuda")
@@ -163,7 +165,7 @@ def test_the_peak_is_one_moment_of_the_backward_not_the_sum_of_the_terms(model):
 
 
 def test_terms_follow_the_mesh_and_the_modes(model):
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     one = memory_estimate(_config(1, 32768, "chunked"), params, model.config)
@@ -179,7 +181,7 @@ def test_terms_follow_the_mesh_and_the_modes(model):
 def test_a_compiled_chunked_loss_holds_its_logit_gradient_in_the_compute_dtype(model):
     """With a compile backend the chunk's float copy is fused away: in bfloat16 the loss term is one
     chunk x vocabulary x 2 bytes smaller."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     eager = memory_estimate(_config(1, 32768, "chunked"), params, model.config)
@@ -188,9 +190,9 @@ def test_a_compiled_chunked_loss_holds_its_logit_gradient_in_the_compute_dtype(m
 
 
 def test_allgather_keeps_the_other_ranks_keys_and_values(model):
-    from cpcompile.trainer.memory import _ElementSizes, layer_saved_bytes
+    from cpcompile.trainer.memory_layers import ElementSizes, layer_saved_bytes
 
-    text, bf16 = model.config.get_text_config(), _ElementSizes(param=4, compute=2, reduce=4)
+    text, bf16 = model.config.get_text_config(), ElementSizes(param=4, compute=2, reduce=4)
     local = layer_saved_bytes(text, "full_attention", bf16, 1, "all_gather")
     kv = text.num_key_value_heads * text.head_dim
     for cp in (2, 4, 16):
@@ -203,7 +205,7 @@ def test_the_checkpointing_modes_order_the_activations(model):
     """Layer by layer as each mode picks them: every layer < every second layer < none; selective
     keeps more than a checkpointed layer's input and less than a layer left alone, and its replay
     (what it recomputes) is smaller than a whole layer's."""
-    from cpcompile.trainer.loop import memory_estimate
+    from cpcompile.trainer.dry_run_report import memory_estimate
 
     params = sum(p.numel() for p in model.parameters())
     every, second, selective, off = (memory_estimate(_config(1, 32768, "chunked", ac=ac), params, model.config)
@@ -222,8 +224,8 @@ def test_the_lower_memory_switches_take_off_what_they_move(model):
     139.8 GiB, neither alone does."""
     import dataclasses
 
-    from cpcompile.trainer.loop import memory_estimate
-    from cpcompile.trainer.memory import final_norm_bytes, _ElementSizes
+    from cpcompile.trainer.dry_run_report import memory_estimate
+    from cpcompile.trainer.memory_layers import ElementSizes, final_norm_bytes
 
     params, text = sum(p.numel() for p in model.parameters()), model.config.get_text_config()
     tokens = 1 << 20
@@ -236,7 +238,7 @@ def test_the_lower_memory_switches_take_off_what_they_move(model):
     base, offload = estimate(), estimate(offload_layer_inputs=True)
     inner, both = estimate(gdn_checkpoint_around_core=True), estimate(offload_layer_inputs=True,
                                                                       gdn_checkpoint_around_core=True)
-    final_norm = final_norm_bytes(text, _ElementSizes(param=4, compute=2, reduce=4)) * tokens / 2 ** 30
+    final_norm = final_norm_bytes(text, ElementSizes(param=4, compute=2, reduce=4)) * tokens / 2 ** 30
     assert offload["activations"] == pytest.approx(final_norm)
     assert base["activations"] - offload["activations"] == pytest.approx(text.num_hidden_layers * text.hidden_size
                                                                          * 2 * tokens / 2 ** 30)
@@ -282,11 +284,11 @@ def test_the_dry_run_names_the_rank_imbalance(model):
 
 def test_head_tail_gdn_adds_its_gradient_copy_to_the_core_backward(model):
     """GDN in Head-Tail order (beside SDPA Head-Tail: one batch order) holds the fragments' input
-    gradients beside their concatenation (memory.gdn_head_tail_backward_bytes): a GDN layer's
+    gradients beside their concatenation (memory_layers.gdn_head_tail_backward_bytes): a GDN layer's
     backward peak grows by at most that, here by some (its core's moment passes its MLP's)."""
-    from cpcompile.trainer.memory import _ElementSizes, gdn_head_tail_backward_bytes, layer_peak_bytes
+    from cpcompile.trainer.memory_layers import ElementSizes, gdn_head_tail_backward_bytes, layer_peak_bytes
 
-    text, sizes = model.config.get_text_config(), _ElementSizes(4, 2, 4)
+    text, sizes = model.config.get_text_config(), ElementSizes(4, 2, 4)
     peak = {sdpa: layer_peak_bytes(text, "linear_attention", sizes, 8, sdpa, "checkpointed")
             for sdpa in ("all_gather", "head_tail")}
     grown = peak["head_tail"] - peak["all_gather"]

@@ -1,8 +1,8 @@
-"""`trainer/memory.py`'s per-token counts against what one bfloat16 layer of the 0.57B
+"""`trainer/memory_layers.py`'s per-token counts against what one bfloat16 layer of the 0.57B
 Qwen3.5-shaped model of benchmarks/trainer_gpu.py holds on CPU (benchmarks/layer_memory.py: a
 live-storage tracker; the GDN core on cpcompile's Triton launch code with its kernels skipped, so
 its buffers are the GPU's). Within 1%: what is left are per-row and per-head vectors (rsqrt, the
-gates) that memory.py rounds."""
+gates) that memory_layers.py rounds."""
 from __future__ import annotations
 
 import os
@@ -28,9 +28,9 @@ def text():
 
 @pytest.fixture(scope="module")
 def bf16():
-    from cpcompile.trainer.memory import _ElementSizes
+    from cpcompile.trainer.memory_layers import ElementSizes
 
-    return _ElementSizes(param=4, compute=2, reduce=4)
+    return ElementSizes(param=4, compute=2, reduce=4)
 
 
 def _measured(text, kind: str, checkpointing: str) -> dict[str, float]:
@@ -51,12 +51,12 @@ def test_a_layers_kept_bytes_and_backward_peak_are_what_it_holds(text, kind, che
 
 def test_the_gdn_core_backward_buffers_are_the_triton_launch_codes(text, bf16):
     """The core's moment, which the MLP's outgrows at these widths, counted on its own: the
-    buffers kernels/gdn/triton/launch.py allocates, and all the layer holds meanwhile."""
-    from cpcompile.trainer import memory
+    buffers the launchers in kernels/gdn/triton/ allocate, and all the layer holds meanwhile."""
+    from cpcompile.trainer import memory_layers
 
     got = _measured(text, "linear_attention", "checkpointed")
-    assert got["core_buffers"] == pytest.approx(memory.gdn_core_backward_bytes(text, bf16), rel=0.01)
-    at_core = memory._core_backward_bytes(text, "linear_attention", bf16, 1, "all_gather") + text.hidden_size * 2
+    assert got["core_buffers"] == pytest.approx(memory_layers.gdn_core_backward_bytes(text, bf16), rel=0.01)
+    at_core = memory_layers._core_backward_bytes(text, "linear_attention", bf16, 1, "all_gather") + text.hidden_size * 2
     assert got["at_core"] == pytest.approx(at_core, rel=0.01)
     assert got["at_core"] < got["peak"]
 
@@ -64,7 +64,7 @@ def test_the_gdn_core_backward_buffers_are_the_triton_launch_codes(text, bf16):
 def test_the_final_norm_keeps_its_float_copies_and_its_output(text, bf16):
     from layer_memory import measure_final_norm, per_token
 
-    from cpcompile.trainer.memory import final_norm_bytes
+    from cpcompile.trainer.memory_layers import final_norm_bytes
 
     got = per_token(lambda tokens: {"kept": measure_final_norm(text, tokens)}, SHORT, LONG)["kept"]
     assert got == pytest.approx(final_norm_bytes(text, bf16), rel=0.01)
@@ -87,7 +87,7 @@ def test_the_chunked_losss_peak_is_one_chunks_logits_twice_and_the_float_weight_
 def test_a_gdn_layer_checkpointed_around_its_core_holds_what_memory_py_counts(text, checkpointing):
     """`train.gdn_checkpoint_around_core`: the ops before and after the core under checkpoints of
     their own. Its backward holds only the core's inputs and output of them (measured 170 -> 110 KB
-    a token checkpointed: the core's moment is then the larger), and memory.py counts that within 1%."""
+    a token checkpointed: the core's moment is then the larger), and memory_layers.py counts that within 1%."""
     from layer_memory import expected_layer_bytes
 
     def measured(inner: bool) -> dict:

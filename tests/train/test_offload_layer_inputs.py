@@ -29,9 +29,9 @@ def test_offloaded_inputs_follow_the_plain_run_under_cp():
 
 
 def _recording_hooks(moved: list, hooks):
-    """`hooks` (checkpointing._to_host_hooks), recording the shape of each tensor its pack sends to
+    """`hooks` (activation_checkpointing._to_host_hooks), recording the shape of each tensor its pack sends to
     the host."""
-    from cpcompile.trainer import checkpointing
+    from cpcompile.trainer import activation_checkpointing
 
     def recording(tensor, pin_memory):
         pack, unpack = hooks(tensor, pin_memory)
@@ -43,15 +43,15 @@ def _recording_hooks(moved: list, hooks):
             return packed
         return recorded_pack, unpack
 
-    checkpointing._to_host_hooks = recording
+    activation_checkpointing._to_host_hooks = recording
 
 
 def _what_is_moved(rank: int, world: int, seed: int) -> dict:
     import torch._dynamo
 
-    from cpcompile.trainer import checkpointing
+    from cpcompile.trainer import activation_checkpointing
 
-    hooks = checkpointing._to_host_hooks
+    hooks = activation_checkpointing._to_host_hooks
 
     def run(moved: list, **train) -> list[tuple]:
         _recording_hooks(moved, hooks)
@@ -90,7 +90,7 @@ def _inputs_alive_after_the_forward(rank: int, world: int, seed: int, offload: b
     the backward): a weak reference, taken in a forward pre-hook, that keeps nothing alive itself."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    from cpcompile.trainer import load_train_config, loop
+    from cpcompile.trainer import load_train_config, loop, step
     from cpcompile.trainer.parallelize import decoder_layers
 
     config = without_cp(qwen3_5_config(seed, activation_checkpointing="every_layer", offload_layer_inputs=offload,
@@ -101,12 +101,12 @@ def _inputs_alive_after_the_forward(rank: int, world: int, seed: int, offload: b
     for layer in decoder_layers(trainer.model):
         layer.register_forward_pre_hook(lambda _, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
     alive = []
-    mean_loss = loop.global_mean_loss
+    mean_loss = step.global_mean_loss
 
     def after_the_forward(*args, **kwargs):
         alive.extend(not weak.expired() for weak in inputs)
         return mean_loss(*args, **kwargs)
-    loop.global_mean_loss = after_the_forward
+    step.global_mean_loss = after_the_forward
     trainer.step(0)
     return alive
 

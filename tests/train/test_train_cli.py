@@ -2,6 +2,7 @@
 batch, the config's errors name their field, and both verbs run the example config under torchrun."""
 from __future__ import annotations
 
+import json
 import os
 import random
 import subprocess
@@ -149,9 +150,10 @@ def test_an_unwritable_dump_dir_names_the_field(tmp_path):
 
     (tmp_path / "file").write_text("")
     with pytest.raises(PlanError) as info:
-        rank_dump_dir(str(tmp_path / "file"), 1)
+        rank_dump_dir(str(tmp_path / "file"), 1, 2)
     assert info.value.field == "train.dump_dir" and "rank1" in info.value.reason, info.value
-    assert rank_dump_dir(str(tmp_path / "dump"), 1) == str(tmp_path / "dump" / "rank1")
+    assert rank_dump_dir(str(tmp_path / "dump"), 1, 2) == str(tmp_path / "dump" / "rank1")
+    assert rank_dump_dir(str(tmp_path / "alone"), 0, 1) == str(tmp_path / "alone")  # one process: no rank folder
 
 
 def _cli(verb: str, *args: str, torchrun: bool = False) -> str:
@@ -170,9 +172,15 @@ def _cli(verb: str, *args: str, torchrun: bool = False) -> str:
     return res.stdout
 
 
-def test_cli_trains_the_example_as_the_readme_launches_it():
-    out = _cli("train", "--steps", "2")
+def test_cli_trains_the_example_as_the_readme_launches_it(tmp_path):
+    """As the README says: one line per step from rank 0 and, with --metrics FILE, one JSON line per
+    step in FILE."""
+    metrics = tmp_path / "metrics.jsonl"
+    out = _cli("train", "--steps", "2", "--metrics", str(metrics))
     assert "step 2/2" in out and "CP=1 loss" in out and "verify: PASS" in out, out
+    assert sum(line.startswith("step ") for line in out.splitlines()) == 2, out
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2] and all("loss" in r for r in records), records
 
 
 def test_cli_benches_the_example_under_torchrun():
@@ -202,7 +210,7 @@ def test_verify_judges_each_step(record, dtype, fails):
     """fp32: within train.verify_rtol of the unrewritten copy; bf16: against the fp32 copy, within
     1.5x the bf16 copy's error + 1e-3 (cpcompile/parity.py)."""
     from cpcompile.trainer import TrainSettings
-    from cpcompile.trainer.loop import step_failure
+    from cpcompile.trainer.verify import step_failure
 
     failure = step_failure({"step": 3, **record}, TrainSettings(dtype=dtype, verify=True), cp_size=2)
     assert (failure is not None) == fails, failure

@@ -81,7 +81,7 @@ def test_a_dry_run_at_a_huge_length_traces_a_short_probe_and_says_so():
     lines, facts = run_distributed(_dry_run_at, 2, 1 << 20, timeout=120)[0]
     assert facts["probe_seq_len"] == 32, facts
     assert "probe batch of 32 of train.seq_len's 1048576 tokens" in lines[1], lines
-    # 512K tokens x what 2 layers a rank keep without checkpointing (memory.layer_saved_bytes)
+    # 512K tokens x what 2 layers a rank keep without checkpointing (memory_layers.layer_saved_bytes)
     # layers a rank (the chunked loss's logits are one chunk's, whatever the length)
     assert facts["memory_gib"]["activations"] > 1.0, facts
 
@@ -98,7 +98,7 @@ def test_a_dry_run_with_a_memory_budget_names_the_longest_length_that_fits():
     """cp 2 (a plan whose layout wants seq_len a multiple of the CP size): the longest length is a
     multiple of it, the estimate at it fits the budget and one multiple more does not."""
     from cpcompile.trainer import load_train_config
-    from cpcompile.trainer.loop import seq_len_multiple
+    from cpcompile.trainer.dry_run_report import seq_len_multiple
     from cpcompile.trainer.memory import total_at_length
 
     lines, facts = run_distributed(_dry_run_within, 2, 0.05, timeout=120)[0]
@@ -120,7 +120,7 @@ def test_a_dry_run_budget_below_what_the_length_does_not_change_says_none_fits()
 
 def test_a_memory_budget_must_be_positive():
     from cpcompile.errors import PlanError
-    from cpcompile.trainer.loop import memory_budget_gib
+    from cpcompile.trainer.dry_run_report import memory_budget_gib
 
     for bad in (0, -1.0, True, "100"):
         with pytest.raises(PlanError, match="--memory-gib"):

@@ -2,15 +2,18 @@
 
 - ``common``  backend names, the chunk length, the q/k L2 norm — stated once;
 - ``api``     ``chunk_gated_delta_rule``: one entry point over both backends;
-- ``ops``     the layer-level ``cpcompile::gdn_*`` custom ops the Qwen3.5 adapter traces and the GDN
-              rewrites emit (fake implementation + autograd each);
-- ``eager``   the pure-PyTorch oracle (token recurrence, chunkwise form, segment summaries);
+- ``layer_ops`` the layer-level ``cpcompile::gdn_*`` custom ops the Qwen3.5 adapter traces and the
+              GDN rewrites emit (fake implementation + autograd each);
+- ``naive``   the token recurrence: the oracle every other form is checked against;
+- ``inputs``  the input checks, compute dtype and head-major layout ``naive`` and ``eager`` share;
+- ``eager``   the pure-PyTorch backend (chunkwise form, segment summaries, the local state gradient);
 - ``summary`` the affine algebra of segment summaries ``H_out = M @ H_in + S``;
 - ``conv``    the layer's causal depthwise conv before the core: ``F.conv1d``, or its taps under
               ``torch.compile`` and within packed documents;
 - ``triton/`` cpcompile's Triton kernels (the ``triton`` backend).
 
-Importing this package never imports triton, nor registers the custom ops (``ops`` does).
+Importing this package never imports triton, nor registers the custom ops (``layer_ops`` does;
+``triton/kernel_ops`` the kernel-level ones).
 """
 from .api import chunk_gated_delta_rule
 from .common import BACKENDS, CHUNK_SIZE, L2NORM_EPS, check_backend, l2norm

@@ -59,7 +59,7 @@ def chunk_gated_delta_rule(
 
     check_inputs(q, k, v, g, beta, initial_state)
     require_triton()
-    from .triton import ops as _ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
+    from .triton import kernel_ops as _ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
 
     if scale is None:
         scale = k.shape[-1] ** -0.5

@@ -1,4 +1,6 @@
-"""Pure-PyTorch (eager) reference backend for the Gated DeltaNet (GDN) core used by Qwen3.5.
+"""Pure-PyTorch (eager) reference backend for the Gated DeltaNet (GDN) core used by Qwen3.5: the
+chunkwise form, segment summaries and the local state gradient. The token recurrence it is checked
+against is ``naive.py``; the input checks and layout both share, ``inputs.py``.
 
 Conventions (those of transformers' ``torch_chunk_gated_delta_rule`` for Qwen3.5):
 
@@ -48,163 +50,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ...errors import CPInputError
-from .common import CHUNK_SIZE, l2norm
+from .common import CHUNK_SIZE
+from .inputs import check_inputs, check_starts, compute_dtype, head_major, starting_state
 from .summary import apply_summary, reduce_summaries_over_chunks, summary_adjoint
 
-__all__ = [
-    "chunk_gated_delta_rule_eager",
-    "compute_dtype",
-    "expand_key_heads",
-    "gdn_local_state_grad",
-    "gdn_segment_summary",
-    "naive_recurrent_gated_delta_rule",
-    "prepare_qk",
-]
-
-# ----------------------------------------------------------------------------- input preparation
-
-
-def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
-    """float64 if any input is float64 (reference checks), else fp32 (bf16/fp16 never carry state)."""
-    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
-
-
-def expand_key_heads(x: Tensor, num_v_heads: int) -> Tensor:
-    """``[B, T, Hk, D] -> [B, T, Hv, D]`` so that value head ``h`` sees key head ``h // (Hv // Hk)``."""
-    num_k_heads = x.shape[2]
-    if num_k_heads == num_v_heads:
-        return x
-    return x.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-
-
-def prepare_qk(
-    q: Tensor, k: Tensor, use_qk_l2norm_in_kernel: bool, *, dtype: torch.dtype = torch.float32
-) -> tuple[Tensor, Tensor]:
-    """Cast q, k to the compute dtype and optionally L2-normalise them (no head expansion, no scale).
-
-    Normalising after the cast matches transformers, which normalises in fp32 for accuracy.
-    """
-    q, k = q.to(dtype), k.to(dtype)
-    if use_qk_l2norm_in_kernel:
-        q, k = l2norm(q), l2norm(k)
-    return q, k
-
-
-def _check_inputs(q: Tensor | None, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor | None) -> None:
-    """Fail fast, naming the offending tensor, before any shape error surfaces deep in a matmul."""
-    if k.dim() != 4 or v.dim() != 4:
-        raise CPInputError(f"k and v must be [B, T, H, D]; got k {tuple(k.shape)}, v {tuple(v.shape)}")
-    batch, seq_len, num_k_heads, k_dim = k.shape
-    num_v_heads, v_dim = v.shape[2], v.shape[3]
-    if q is not None and q.shape != k.shape:
-        raise CPInputError(f"q must have k's shape {tuple(k.shape)}; got {tuple(q.shape)}")
-    if v.shape[:2] != (batch, seq_len):
-        raise CPInputError(f"v must be [B={batch}, T={seq_len}, Hv, V]; got {tuple(v.shape)}")
-    if num_v_heads % num_k_heads != 0:
-        raise CPInputError(f"value heads ({num_v_heads}) must be a multiple of key heads ({num_k_heads})")
-    for name, t in (("g", g), ("beta", beta)):
-        if tuple(t.shape) != (batch, seq_len, num_v_heads):
-            raise CPInputError(f"{name} must be [B, T, Hv] = {(batch, seq_len, num_v_heads)}; got {tuple(t.shape)}")
-    if state is not None and tuple(state.shape) != (batch, num_v_heads, k_dim, v_dim):
-        raise CPInputError(
-            f"initial_state must be [B, Hv, K, V] = {(batch, num_v_heads, k_dim, v_dim)}; got {tuple(state.shape)}"
-        )
-
-
-class _HeadMajor(NamedTuple):
-    """Prepared inputs, head-major ``[B, Hv, T, ...]``, in the compute dtype, q scaled."""
-
-    q: Tensor | None
-    k: Tensor
-    v: Tensor | None
-    g: Tensor
-    beta: Tensor
-
-
-def _prepare(
-    q: Tensor | None,
-    k: Tensor,
-    v: Tensor | None,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    scale: float | None,
-    use_qk_l2norm_in_kernel: bool,
-    dtype: torch.dtype,
-) -> _HeadMajor:
-    # Normalise per key head before expanding to value heads: same result, Hv/Hk times less work.
-    num_v_heads = g.shape[2]
-    if q is not None:
-        q, k = prepare_qk(q, k, use_qk_l2norm_in_kernel, dtype=dtype)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        q = expand_key_heads(q, num_v_heads).transpose(1, 2) * scale
-    else:
-        k = l2norm(k.to(dtype)) if use_qk_l2norm_in_kernel else k.to(dtype)
-    k = expand_key_heads(k, num_v_heads).transpose(1, 2)
-    v = None if v is None else v.to(dtype).transpose(1, 2)
-    return _HeadMajor(q, k, v, g.to(dtype).transpose(1, 2), beta.to(dtype).transpose(1, 2))
-
-
-def check_starts(starts: Tensor | None, g: Tensor) -> None:
-    if starts is not None and (starts.dtype != torch.bool or tuple(starts.shape) != tuple(g.shape[:2])):
-        raise CPInputError(f"starts must be a bool [B, T] = {tuple(g.shape[:2])} tensor of document starts; "
-                           f"got {starts.dtype} {tuple(starts.shape)}")
-
-
-def _segments(starts: Tensor | None, chunk_size: int) -> Tensor | None:
-    """``[B, 1, N, C]``: how many documents started in the chunk up to each token (inclusive);
-    0 where the token still sees the state the chunk was entered with. None: one document."""
-    if starts is None:
-        return None
-    return _to_chunks(starts[:, None].long(), chunk_size).cumsum(dim=-1)
-
-
-def _initial_state(state: Tensor | None, like: Tensor, value_dim: int) -> Tensor:
-    batch, heads, _, key_dim = like.shape
-    if state is None:
-        return like.new_zeros(batch, heads, key_dim, value_dim)
-    return state.to(like.dtype)
-
-
-# ----------------------------------------------------------------------------- recurrent oracle
-
-
-def naive_recurrent_gated_delta_rule(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    g: Tensor,
-    beta: Tensor,
-    *,
-    scale: float | None = None,
-    initial_state: Tensor | None = None,
-    output_final_state: bool = False,
-    use_qk_l2norm_in_kernel: bool = False,
-    starts: Tensor | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Token-by-token GDN: the oracle every other form is checked against. O(T) Python steps.
-
-    ``starts [B, T]`` (bool, optional) marks packed documents' first tokens: the state is zeroed
-    before such a token is read or written.
-    """
-    _check_inputs(q, k, v, g, beta, initial_state)
-    check_starts(starts, g)
-    dtype = compute_dtype(q, k, v, g, beta, initial_state)
-    x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
-    state = _initial_state(initial_state, x.k, x.v.shape[-1])
-    outputs = []
-    for t in range(x.k.shape[2]):
-        k_t = x.k[:, :, t]
-        if starts is not None:
-            state = state * (~starts[:, t]).to(state.dtype)[:, None, None, None]
-        state = state * x.g[:, :, t].exp()[..., None, None]
-        predicted = torch.einsum("bhk,bhkv->bhv", k_t, state)  # what the decayed state recalls for k_t
-        update = x.beta[:, :, t, None] * (x.v[:, :, t] - predicted)
-        state = state + k_t[..., :, None] * update[..., None, :]
-        outputs.append(torch.einsum("bhk,bhkv->bhv", x.q[:, :, t], state))
-    out = torch.stack(outputs, dim=2) if outputs else x.v.new_zeros(x.v.shape)
-    return out.transpose(1, 2).to(q.dtype), (state if output_final_state else None)
-
+__all__ = ["chunk_gated_delta_rule_eager", "gdn_local_state_grad", "gdn_segment_summary"]
 
 # ----------------------------------------------------------------------------- chunkwise pieces
 
@@ -221,6 +71,14 @@ def _to_chunks(x: Tensor, chunk_size: int) -> Tensor:
     if pad:
         x = F.pad(x, (0, 0) * trailing + (0, pad))
     return x.reshape(*x.shape[:2], -1, chunk_size, *x.shape[3:])
+
+
+def _segments(starts: Tensor | None, chunk_size: int) -> Tensor | None:
+    """``[B, 1, N, C]``: how many documents started in the chunk up to each token (inclusive);
+    0 where the token still sees the state the chunk was entered with. None: one document."""
+    if starts is None:
+        return None
+    return _to_chunks(starts[:, None].long(), chunk_size).cumsum(dim=-1)
 
 
 def _decay_matrix(gamma: Tensor, segments: Tensor | None, *, include_diagonal: bool) -> Tensor:
@@ -357,13 +215,13 @@ def chunk_gated_delta_rule_eager(
     dtype, final state [B,Hv,K,V] in the compute dtype or None)``. ``starts [B, T]`` (bool) marks
     packed documents' first tokens, where the state resets (None: one document, the plain path).
     """
-    _check_inputs(q, k, v, g, beta, initial_state)
+    check_inputs(q, k, v, g, beta, initial_state)
     check_starts(starts, g)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(q, k, v, g, beta, initial_state)
-    x = _prepare(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    x = head_major(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
     seq_len, value_dim = x.k.shape[2], x.v.shape[-1]
-    state = _initial_state(initial_state, x.k, value_dim)
+    state = starting_state(initial_state, x.k, value_dim)
     if seq_len == 0:
         return v.new_zeros(v.shape, dtype=q.dtype), (state if output_final_state else None)
 
@@ -395,11 +253,11 @@ def gdn_segment_summary(
     not depend on queries. With a document start in the segment (``starts [B, T]``), M is 0 and S
     is the state after the last start: the entering state reaches nothing beyond it.
     """
-    _check_inputs(None, k, v, g, beta, None)
+    check_inputs(None, k, v, g, beta, None)
     check_starts(starts, g)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(k, v, g, beta)
-    x = _prepare(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    x = head_major(None, k, v, g, beta, scale=None, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
     batch, heads, seq_len, key_dim = x.k.shape
     if seq_len == 0:
         eye = torch.eye(key_dim, dtype=dtype, device=k.device).expand(batch, heads, key_dim, key_dim)
@@ -430,10 +288,10 @@ def gdn_local_state_grad(
     """
     if d_o.dim() != 4 or tuple(d_o.shape[:3]) != tuple(g.shape):
         raise CPInputError(f"d_o must be [B, T, Hv, V] matching g {tuple(g.shape)}; got {tuple(d_o.shape)}")
-    _check_inputs(q, k, d_o, g, beta, None)
+    check_inputs(q, k, d_o, g, beta, None)
     _check_chunk_size(chunk_size)
     dtype = compute_dtype(q, k, g, beta, d_o)
-    x = _prepare(q, k, d_o, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
+    x = head_major(q, k, d_o, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, dtype=dtype)
     batch, heads, seq_len, key_dim = x.k.shape
     grad = x.k.new_zeros(batch, heads, key_dim, x.v.shape[-1])  # nothing flows in from dH_out here
     if seq_len == 0:

@@ -8,7 +8,7 @@ import torch
 import torch.fx as fx
 
 from ...errors import CPInputError
-from ...kernels.gdn import ops  # noqa: F401  (registers the cpcompile:: ops)
+from ...kernels.gdn import layer_ops  # noqa: F401  (registers the cpcompile:: ops)
 from ...methods import CONTIGUOUS, MethodSpec
 from ..graph_utils import CoreMatch
 

@@ -4,7 +4,7 @@ gradient chain P−1 → 0); the core then runs with that state.
 
 With the triton backend the whole rank-local P2P — summary, point-to-point state exchange with the
 ring neighbours, output, and the two-phase backward — is one `cpcompile::gdn_p2p_chunk` node (why:
-`kernels/gdn/ops.py`). Packed documents reach it as gates (`common.reset_decay_at_starts`, a graph
+`kernels/gdn/layer_ops.py`). Packed documents reach it as gates (`common.reset_decay_at_starts`, a graph
 node before it): a start cuts the state there, so a segment with a start has M ~ 0 and passes on
 only the state after its last start, and no state gradient crosses the start backwards.
 """

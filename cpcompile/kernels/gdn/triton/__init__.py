@@ -1,9 +1,11 @@
 """cpcompile's own Triton kernels for the Gated DeltaNet core.
 
-Importing this package does not import triton: ``capability`` is pure PyTorch; ``ops`` (which
-registers the ``cpcompile::gdn_*`` kernel-level custom ops), ``backend`` (the ``triton`` backend of
-``cpcompile.kernels.gdn.ops``), ``launch`` and ``kernels`` load triton and are imported on first
-attribute access. The State-P2P chain steps are ``cpcompile.kernels.gdn.summary.chain_step`` /
+Importing this package does not import triton: ``capability`` is pure PyTorch; ``kernel_ops``
+(which registers the ``cpcompile::gdn_chunk_fwd`` / ``gdn_chunk_bwd`` kernel-level custom ops),
+``backend`` (the ``triton`` backend of the layer-level ops, ``cpcompile.kernels.gdn.layer_ops``) and ``launch`` (the entry points over the stage files: ``prepare``,
+``state``, ``output``, ``p2p_summary``, ``p2p_output``, ``bwd_state``, ``bwd_inter``,
+``bwd_prepare``, ``l2norm``; shared pieces in ``helpers`` and ``launching``) load triton and are
+imported on first attribute access. The State-P2P chain steps are ``cpcompile.kernels.gdn.summary.chain_step`` /
 ``chain_grad_step``.
 """
 
@@ -11,7 +13,7 @@ import importlib
 
 from .capability import GDNCapabilityError, check, check_device, check_environment, check_inputs, require_triton
 
-_LAZY = ("ops", "launch", "kernels", "backend")
+_LAZY = ("kernel_ops", "launch", "backend")
 
 
 def __getattr__(name):

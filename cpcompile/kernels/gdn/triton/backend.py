@@ -1,4 +1,4 @@
-"""The ``triton`` backend of the layer-level GDN op ``cpcompile::gdn_chunk`` (``kernels.gdn.ops``):
+"""The ``triton`` backend of the layer-level GDN op ``cpcompile::gdn_chunk`` (``kernels.gdn.layer_ops``):
 what its real implementation runs (State-P2P has its own executor, ``p2p_executor``). Every path is
 Triton kernels (plus dtype casts and sums of gradients); there is no eager fallback.
 

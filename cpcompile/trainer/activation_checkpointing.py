@@ -21,7 +21,7 @@ and whether an op is replayed depends only on which op it is (`selective_policy`
 tensor, no rank), so every rank issues the same collectives in the same order: they match.
 Under `selective` the collectives' outputs come from the saved ones and the replay issues none
 (see `selective_policy`). A region that traces a new input signature inside a selective forward
-does so with the checkpoint's dispatch modes set aside (`pipeline._saving_nothing_for_checkpoints`),
+does so with the checkpoint's dispatch modes set aside (`installed_region._saving_nothing_for_checkpoints`),
 so the trace's ops are not taken for the layer's.
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .. import collectives
 from .. import tp as _tp_ops  # noqa: F401  (registers torch.ops.cpcompile.tp_*)
 from ..errors import PlanError, short_repr
 from ..kernels.attention import op as _attention_ops  # noqa: F401  (registers torch.ops.cpcompile.*_attention)
-from ..kernels.gdn import ops as _gdn_ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
+from ..kernels.gdn import layer_ops as _gdn_ops  # noqa: F401  (registers torch.ops.cpcompile.gdn_*)
 
 FIELD = "train.activation_checkpointing"
 

@@ -5,6 +5,8 @@ The chunk form inverts ``I + A`` with ``A_ij = beta_i exp(gc_i - gc_j) k_i.k_j``
 all positive after the L2 norm, so they correlate (mutual cosine ~0.75), and slow-decay heads have
 gates near 0. That is where an unstable inverse fails. The kernel tests and
 ``benchmarks/gdn_accuracy.py --stress`` draw their inputs here, so both judge the same regimes.
+Test-only: it lives beside the tests, not in the shipped package (the benchmark puts this folder
+on ``sys.path``).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from .api import chunk_gated_delta_rule
-from .eager import naive_recurrent_gated_delta_rule
+from cpcompile.kernels.gdn.api import chunk_gated_delta_rule
+from cpcompile.kernels.gdn.naive import naive_recurrent_gated_delta_rule
 
 # 0: randn; 0.75: uniform [0, 1) entries, like post-SiLU keys; 0.95: nearly repeated keys
 KEY_COSINES = (0.0, 0.5, 0.75, 0.95)

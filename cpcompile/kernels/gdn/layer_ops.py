@@ -26,7 +26,7 @@ from torch import Tensor
 
 from ...errors import CPInputError
 from ..precision import without_autocast
-from . import eager
+from . import eager, inputs
 from .common import check_backend
 
 
@@ -58,10 +58,10 @@ def _check_triton(q, k, v, g, beta, initial_state, chunk_size) -> None:
     cast_and_check(q, k, v, g, beta, initial_state, chunk_size)
 
 
-@without_autocast  # the kernels keep their state and decay in fp32 (`eager.compute_dtype`)
+@without_autocast  # the kernels keep their state and decay in fp32 (`inputs.compute_dtype`)
 def _chunk(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None) -> Tensor:
     check_backend(backend)
-    eager.check_starts(starts, g)
+    inputs.check_starts(starts, g)
     if backend == "triton":
         return _triton().chunk_forward(q, k, v, g, beta, initial_state, scale, chunk_size, starts)
     out, _ = eager.chunk_gated_delta_rule_eager(q, k, v, g, beta, chunk_size=chunk_size, scale=scale,
@@ -124,7 +124,7 @@ def gdn_chunk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_
 
 @gdn_chunk.register_fake
 def _(q, k, v, g, beta, initial_state, scale, chunk_size, backend, starts=None):
-    eager.check_starts(starts, g)
+    inputs.check_starts(starts, g)
     if backend == "triton":
         _check_triton(q, k, v, g, beta, initial_state, chunk_size)
     return v.new_empty(v.shape, dtype=q.dtype)
@@ -178,7 +178,7 @@ def gdn_summary(k: Tensor, v: Tensor, g: Tensor, beta: Tensor, chunk_size: int, 
 
 def _summary_shapes(k: Tensor, v: Tensor, g: Tensor, beta: Tensor) -> tuple[list[int], list[int], torch.dtype]:
     batch, heads, key_dim, value_dim = k.shape[0], v.shape[2], k.shape[-1], v.shape[-1]
-    return [batch, heads, key_dim, key_dim], [batch, heads, key_dim, value_dim], eager.compute_dtype(k, v, g, beta)
+    return [batch, heads, key_dim, key_dim], [batch, heads, key_dim, value_dim], inputs.compute_dtype(k, v, g, beta)
 
 
 @gdn_summary.register_fake
