@@ -37,6 +37,7 @@ REPORTED = (CPCompileError, OSError)
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    no_traceback_for_unraisable_interrupts()
     parser = _parser()
     args = parser.parse_args(argv)
     if getattr(args, "memory_gib", None) is not None and not args.dry_run:
@@ -63,6 +64,20 @@ def main(argv: list[str] | None = None) -> int:
         if args.debug:
             raise
         return interrupted(args.command)
+
+
+def no_traceback_for_unraisable_interrupts() -> None:
+    """A SIGINT that lands while Python runs a weakref callback or a `__del__` cannot be raised
+    there: Python prints "Exception ignored in ... KeyboardInterrupt" with a traceback, in the
+    launcher or in a worker torchrun forwarded the signal to, beside the one line the interrupt
+    is reported by. Those prints are dropped; any other unraisable error is printed as before."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable):
+        if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _parser() -> argparse.ArgumentParser:
