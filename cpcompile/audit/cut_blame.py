@@ -30,6 +30,7 @@ class Call:
     inputs: list[tuple[str, Any]]
     outputs: list[Any] = field(default_factory=list)
 
+
 @dataclass
 class Op:
     """One torch function the watched call's own code ran: its name, source line, inputs, outputs."""
@@ -39,14 +40,23 @@ class Op:
     inputs: list[Any]
     outputs: list[Any]
 
+
 @dataclass
 class Run:
     calls: list[Call] = field(default_factory=list)
     outputs: list[tuple[str, Any]] = field(default_factory=list)  # the model's, with their paths
     ops: list[Op] = field(default_factory=list)
+    by_call: dict[tuple[str, int], Call] = field(default_factory=dict)  # (fqn, index) -> its call
+
+    def add(self, call: Call) -> int:
+        """Record `call`; -> its position in `calls`."""
+        self.calls.append(call)
+        self.by_call[(call.fqn, call.index)] = call
+        return len(self.calls) - 1
 
     def find(self, fqn: str, index: int) -> Call | None:
-        return next((c for c in self.calls if c.fqn == fqn and c.index == index), None)
+        return self.by_call.get((fqn, index))
+
 
 def innermost_matching_caller(reference: Run, part: Run, position: int | None, cut: Cut, batch: int) -> int:
     """From the caller at `position` up: the first call whose inputs match the whole run's (the
@@ -60,6 +70,7 @@ def innermost_matching_caller(reference: Run, part: Run, position: int | None, c
             return position
         position = call.parent
     return 0
+
 
 def origin_of_outputs(reference: Run, part: Run, cut: Cut, batch: int) -> int:
     """The innermost call whose inputs match and whose outputs along the sequence do not."""
@@ -75,6 +86,7 @@ def origin_of_outputs(reference: Run, part: Run, cut: Cut, batch: int) -> int:
     inner = [p for p in origins if not any(ancestor_of(part, p, other) for other in origins if other != p)]
     return inner[0] if inner else 0
 
+
 def ancestor_of(run: Run, ancestor: int, position: int) -> bool:
     parent = run.calls[position].parent
     while parent is not None:
@@ -82,6 +94,7 @@ def ancestor_of(run: Run, ancestor: int, position: int) -> bool:
             return True
         parent = run.calls[parent].parent
     return False
+
 
 def differing_ops(reference: Run, part: Run, cut: Cut, batch: int) -> list[str]:
     """The first ops of the watched code whose inputs match the whole run's and whose results do not."""
@@ -97,10 +110,12 @@ def differing_ops(reference: Run, part: Run, cut: Cut, batch: int) -> list[str]:
                 break
     return named
 
+
 def describe_call(call: Call) -> str:
     if call.fqn == "":
         return "the model's own forward"
     return f"module {call.fqn}" + (f" (call {call.index})" if call.index else "")
+
 
 class OpRecorder(TorchFunctionMode):
     """Records the torch functions run by the watched call's own code (not by modules it calls)."""
@@ -124,6 +139,7 @@ class OpRecorder(TorchFunctionMode):
         name = resolve_name(func) or getattr(func, "__name__", repr(func))
         self.run.ops.append(Op(name, caller_line(), inputs, [leaf for _, leaf in kept_leaves(output)]))
         return output
+
 
 def caller_line() -> str:
     """`file:line: code` of the innermost frame outside torch and cpcompile: the model's code."""

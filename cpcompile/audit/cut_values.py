@@ -34,15 +34,13 @@ class Cut:
     def describe(self) -> str:
         return f"tokens {self.start}..{self.stop - 1} of a {self.length}-token window of the example"
 
+
 def kept_leaves(tree: Any) -> list[tuple[str, Any]]:
     """`tree`'s leaves with their paths; tensors detached and copied (later code may change them in place)."""
     leaves = pytree.tree_flatten_with_path(tree)[0]
     return [(pytree.keystr(path), leaf.detach().clone() if isinstance(leaf, torch.Tensor) else leaf)
             for path, leaf in leaves]
 
-def call_leaves(args: tuple, kwargs: dict) -> list[tuple[str, Any]]:
-    """A call's leaves keyed by their paths in `(args, kwargs)`, as `installed_region.inputs_read` keys them."""
-    return kept_leaves((tuple(args), dict(kwargs)))
 
 def readable(path: str) -> str:
     """`[1]['position_embeddings'][0]` -> `position_embeddings[0]`; `[0][2]` -> `arg2`."""
@@ -54,6 +52,7 @@ def readable(path: str) -> str:
         return f"arg{index}" + rest
     return path
 
+
 def cut_example(example: Any, tokens: TokenBatch, cut: Cut) -> Any:
     """The example with every sequence axis (`TokenBatch.sequence_axes`) narrowed to `cut`."""
     def narrow(leaf):
@@ -63,6 +62,7 @@ def cut_example(example: Any, tokens: TokenBatch, cut: Cut) -> Any:
             leaf = leaf.narrow(axis, cut.start, cut.size)
         return leaf.contiguous()  # as a batch of that length would be (model code may `view` it)
     return pytree.tree_map(narrow, example)
+
 
 def aligned(whole: torch.Tensor, shape: torch.Size, cut: Cut, batch: int) -> torch.Tensor | None:
     """`whole` (a value of the whole window's run) cut along the axes where `shape` (the same value
@@ -82,6 +82,7 @@ def aligned(whole: torch.Tensor, shape: torch.Size, cut: Cut, batch: int) -> tor
             return None
     return whole
 
+
 def same_cut(whole: Any, part: Any, cut: Cut, batch: int) -> bool:
     """Whether `part` (a cut run's value) is `whole` (the window run's) cut the same way; a plain
     value (an int, a flag) must be equal."""
@@ -97,8 +98,10 @@ def same_cut(whole: Any, part: Any, cut: Cut, batch: int) -> bool:
     scale = max(expected.abs().nan_to_num(0).max().item() if expected.numel() else 0.0, 1e-30)
     return bool(((expected.float() - part.float()).abs().nan_to_num(0) <= tolerance * scale).all())
 
+
 def leaves_match(whole: list[tuple[Any, Any]], part: list[tuple[Any, Any]], cut: Cut, batch: int) -> bool:
     return len(whole) == len(part) and all(same_cut(a, b, cut, batch) for (_, a), (_, b) in zip(whole, part))
+
 
 def tensors_match(whole: list[Any], part: list[Any], cut: Cut, batch: int) -> bool:
     whole = [leaf for leaf in whole if isinstance(leaf, torch.Tensor)]

@@ -44,7 +44,7 @@ from ..errors import CoverageError, CPInputError, UnsupportedError
 from ..meta_params import is_fake, stand_ins_while_called
 from ..region import RANK_LOCAL_KWARGS
 from .cut_blame import Call, OpRecorder, Run, describe_call, differing_ops, innermost_matching_caller, origin_of_outputs
-from .cut_values import Cut, aligned, call_leaves, cut_example, kept_leaves, readable, same_cut
+from .cut_values import Cut, aligned, cut_example, kept_leaves, readable, same_cut
 from .tokens import TokenBatch
 
 WINDOW = 16  # tokens of the example the audit runs on: the verdict is about code, not length
@@ -61,6 +61,7 @@ class Finding:
         ops = f"; its ops whose results differ: {'; '.join(self.ops)}" if self.ops else ""
         return (f"{self.what} differs when the model runs on {self.cut.describe()} from the same tokens of the "
                 f"whole window, made by the code of {self.culprit}{ops}")
+
 
 def cut_audit(model: nn.Module, example: Any, tokens: TokenBatch | None, regions: dict[str, dict[str, bool]],
               handled: set[str], kept_state) -> int:
@@ -91,6 +92,7 @@ def cut_audit(model: nn.Module, example: Any, tokens: TokenBatch | None, regions
                 "CP method in the plan, or remove it")
     return compared
 
+
 class CutAuditor:
     """The runs of one audit and what they are compared by."""
 
@@ -99,9 +101,8 @@ class CutAuditor:
         self.model, self.example, self.tokens = model, example, tokens
         self.regions, self.handled, self.kept_state = regions, handled, kept_state
         self.names = {module: fqn for fqn, module in model.named_modules()}
-
-    def inside_handled(self, fqn: str) -> bool:
-        return any(fqn.startswith(h + ".") for h in self.handled)
+        # modules inside a region or a step-global rotary: what they do is not this audit's to watch
+        self.inside = {fqn for fqn in self.names.values() if any(fqn.startswith(h + ".") for h in handled)}
 
     def run(self, cut: Cut, reference: Run | None = None, watch: tuple[str, int] | None = None) -> Run:
         """The model on `cut` of the example; a cut run takes the handled modules' outputs from
@@ -111,16 +112,15 @@ class CutAuditor:
 
         def before(module, args, kwargs):
             fqn = self.names[module]
-            if self.inside_handled(fqn):
+            if fqn in self.inside:
                 return
             index = counts.get(fqn, 0)
             counts[fqn] = index + 1
-            run.calls.append(Call(fqn, index, stack[-1] if stack else None, fqn in self.handled,
-                                  call_leaves(args, kwargs)))
-            stack.append(len(run.calls) - 1)
+            call = Call(fqn, index, stack[-1] if stack else None, fqn in self.handled, kept_leaves((args, kwargs)))
+            stack.append(run.add(call))
 
         def after(module, _args, _kwargs, output):
-            if self.inside_handled(self.names[module]):
+            if self.names[module] in self.inside:
                 return None
             call = run.calls[stack.pop()]
             if call.handled and reference is not None:
@@ -199,6 +199,7 @@ class CutAuditor:
                             self.run(cut, reference, watch=watch), cut, batch)
         return Finding(what, cut, describe_call(watched), ops)
 
+
 def handed_cut(whole: Call | None, output: Any, cut: Cut, batch: int) -> Any:
     """A handled module's output in a cut run: the same cut of its output in the whole run."""
     leaves, spec = pytree.tree_flatten(output)
@@ -210,6 +211,7 @@ def handed_cut(whole: Call | None, output: Any, cut: Cut, batch: int) -> Any:
             isinstance(theirs, torch.Tensor) else None
         handed.append(cut_value.contiguous() if cut_value is not None else ours)
     return pytree.tree_unflatten(handed, spec)
+
 
 @contextmanager
 def evaluating(model: nn.Module):
