@@ -34,12 +34,22 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="fi
 
 
 def _gone(pid: int) -> bool:
-    """The process has ended (a zombie not yet reaped by its new parent has ended too)."""
+    """The process has ended: every thread of it (a zombie not yet reaped by its new parent has
+    ended too). The leader alone is not enough: it shows `Z` while its other threads still exit,
+    and they hold its open files, the checkpoint lock among them, until the last one is gone."""
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii") as handle:
-            return handle.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+        tasks = os.listdir(f"/proc/{pid}/task")
     except FileNotFoundError:
         return True
+    return all(_task_state(pid, task) in ("Z", "X", None) for task in tasks)
+
+
+def _task_state(pid: int, task: str):
+    try:
+        with open(f"/proc/{pid}/task/{task}/stat", encoding="ascii") as handle:
+            return handle.read().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return None
 
 
 def _wait_until(condition, what: str) -> None:
