@@ -26,6 +26,15 @@ __all__ = [
     "UnsupportedError", "UnsupportedMaskError", "VerificationError", "all_reduce_gradients", "allow_wrapper_module",
     "build_mesh", "compile", "global_mean_loss", "inner_wrapper", "load_plan", "local_compute_fn", "primitives",
     "register_inner_wrapper", "release_process_group",
-    "shard_batch", "unshard",
+    "shard_batch", "suggest_plan", "unshard",
 ]
+
+
+def __getattr__(name: str):
+    # the suggestion uses the trainer's memory and balance models: imported when first asked for,
+    # so that `import cpcompile` does not load the trainer
+    if name == "suggest_plan":
+        from .suggest import suggest_plan
+        return suggest_plan
+    raise AttributeError(f"module 'cpcompile' has no attribute {name!r}")
 __version__ = "0.1.0"

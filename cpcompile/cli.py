@@ -5,6 +5,7 @@
     python -m cpcompile compare A.yaml B.yaml --steps N               # two configs' runs, step by step
     python -m cpcompile bench --nproc-per-node N CONFIG.yaml          # time its step, with and without CP
     python -m cpcompile export CHECKPOINT_DIR OUT_DIR                 # a checkpoint as a Hugging Face folder
+    python -m cpcompile plan MODEL_OR_CONFIG --cp N --seq-len S        # suggest an explicit plan, with reasons
 
 `--nproc-per-node N` starts the N workers itself (launch.py, with torchrun's own launcher) after
 checking the config; `torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml` runs the same
@@ -28,7 +29,7 @@ import signal
 import sys
 
 from .dump import inspect
-from .errors import CPCompileError, VerificationError
+from .errors import CPCompileError, CPInputError, VerificationError
 from .worker_lifetime import end_with_launcher
 
 # What is reported in one line; anything else is a bug, and keeps its traceback.
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "export":
             return _export(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "compare":
             from .trainer.compare import compare_configs
 
@@ -130,7 +133,36 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--max-shard-mb", type=float, default=5000,
                      help="largest safetensors file, in MB (1e6 bytes; default 5000, transformers' 5GB); larger "
                           "weights are sharded, with an index")
+    suggest = commands.add_parser("plan", parents=[common],
+                                  help="suggest an explicit CP plan for a model, each choice with its reason")
+    suggest.add_argument("model", help="a local Hugging Face folder or its config.json, or a train YAML (its "
+                                       "model:, accelerator.cp_size and train.seq_len)")
+    suggest.add_argument("--cp", type=int, default=None, help="CP ranks (default: the YAML's accelerator.cp_size)")
+    suggest.add_argument("--seq-len", type=int, default=None,
+                         help="tokens a sequence, global (default: the YAML's train.seq_len)")
+    suggest.add_argument("--gdn-backend", choices=("eager", "triton"), default="triton",
+                         help="GDN layers' kernels (default triton: a GPU's; eager runs on the CPU)")
+    suggest.add_argument("--out", default=None, help="write the plan to this file (default: print it)")
     return parser
+
+
+def _plan(args) -> int:
+    from .suggest import suggest_plan
+    from .suggest.source import meta_model, read_source
+
+    section, defaults = read_source(args.model)
+    cp, seq_len = args.cp or defaults.get("cp"), args.seq_len or defaults.get("seq_len")
+    if cp is None or seq_len is None:
+        raise CPInputError("cpcompile plan: give --cp and --seq-len (a train YAML may give them instead)")
+    suggestion = suggest_plan(meta_model(section), cp, seq_len, gdn_backend=args.gdn_backend, source=args.model)
+    if args.out is None:
+        print(suggestion.text, end="")
+        return 0
+    with open(args.out, "w", encoding="utf-8") as handle:
+        handle.write(suggestion.text)
+    print(f"cpcompile plan: wrote {args.out}" + (f"; {len(suggestion.uncovered)} module(s) no method runs, named "
+                                                  "in it" if suggestion.uncovered else ""))
+    return 0
 
 
 def _export(args) -> int:
