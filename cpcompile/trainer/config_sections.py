@@ -45,6 +45,7 @@ DEFAULT_COMPILE_BACKENDS: dict[str, str] = {"cpu": EAGER, "cuda": "inductor", "n
 
 
 def check_backend_name(field: str, value: str) -> None:
+    """`eager`, or a backend this torch's `torch.compile` knows (said here, not at the first compile)."""
     check_optional_string(field, value)
     if value != EAGER:
         check_compile_backend(field, value)
