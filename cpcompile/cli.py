@@ -5,7 +5,8 @@
     python -m cpcompile compare A.yaml B.yaml --steps N               # two configs' runs, step by step
     python -m cpcompile bench --nproc-per-node N CONFIG.yaml          # time its step, with and without CP
     python -m cpcompile export CHECKPOINT_DIR OUT_DIR                 # a checkpoint as a Hugging Face folder
-    python -m cpcompile plan MODEL_OR_CONFIG --cp N --seq-len S        # suggest an explicit plan, with reasons
+    python -m cpcompile plan MODEL_OR_CONFIG --cp N --seq-len S       # suggest an explicit plan, with reasons
+    python -m cpcompile config-reference                              # every train config key, its default
 
 `--nproc-per-node N` starts the N workers itself (launch.py, with torchrun's own launcher) after
 checking the config; `torchrun --nproc-per-node N -m cpcompile train CONFIG.yaml` runs the same
@@ -46,6 +47,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if getattr(args, "nproc_per_node", None) is not None:
             return _launch(args, argv)
+        if args.command == "config-reference":
+            from .trainer.config_reference import render_reference
+
+            print(render_reference(), end="")
+            return 0
         end_with_launcher()  # a worker whose launcher is killed outright must not train on
         if args.command == "inspect":
             print(inspect(args.dump_dir), end="")
@@ -123,6 +129,8 @@ def _parser() -> argparse.ArgumentParser:
                         help="also time the model without CP on the whole sequence")
     timing.add_argument("--nproc-per-node", type=int, default=None,
                         help="start this many workers here (the config's mesh size), instead of running under torchrun")
+    commands.add_parser("config-reference", parents=[common],
+                        help="print every key of the train config's sections with its default, type and meaning")
     out = commands.add_parser("export", parents=[common],
                               help="write a train checkpoint as a Hugging Face folder (from_pretrained reads it)")
     out.add_argument("checkpoint", help="a checkpoint step folder (<checkpoint.folder>/step-<n>), or a "

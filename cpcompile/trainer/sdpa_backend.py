@@ -17,10 +17,12 @@ CPU dispatch reads which backends are enabled, not their order.
 from __future__ import annotations
 
 import contextlib
+from typing import Literal
 
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-# train.sdpa_backend's names -> (the backend, the devices its kernel runs on)
+# train.sdpa_backend's names (the config's type) -> (the backend, the devices its kernel runs on)
+SDPABackendName = Literal["cudnn", "flash", "efficient", "math"]
 SDPA_BACKENDS: dict[str, tuple[SDPBackend, tuple[str, ...]]] = {
     "cudnn": (SDPBackend.CUDNN_ATTENTION, ("cuda",)),
     "flash": (SDPBackend.FLASH_ATTENTION, ("cuda", "cpu")),

@@ -146,7 +146,7 @@ def test_loss_config_errors_name_the_field(edit, reason):
     from cpcompile.trainer.config import TrainSettings
 
     with pytest.raises(PlanError) as info:
-        TrainSettings(**edit).validate()
+        TrainSettings(**edit)
     assert info.value.field == f"train.{next(iter(edit))}" and reason in info.value.reason, info.value
 
 

@@ -232,7 +232,7 @@ def test_the_lower_memory_switches_take_off_what_they_move(model):
     plain = _config(1, tokens, "chunked")
 
     def estimate(**switches) -> dict:
-        config = dataclasses.replace(plain, train=dataclasses.replace(plain.train, **switches).validate())
+        config = dataclasses.replace(plain, train=dataclasses.replace(plain.train, **switches))
         return memory_estimate(config, params, model.config)
 
     base, offload = estimate(), estimate(offload_layer_inputs=True)

@@ -51,7 +51,7 @@ def _stream(path: str, source: str, tokenizer: str | None, seq_len: int = 96, ba
     from cpcompile.trainer.config import DataSettings, TrainSettings
     from cpcompile.trainer.data import TokenStream
 
-    data = DataSettings(source=source, path=path, tokenizer=tokenizer, packing=packing).validate()
+    data = DataSettings(source=source, path=path, tokenizer=tokenizer, packing=packing)
     return TokenStream(data, TrainSettings(seq_len=seq_len, batch_size=batch_size), vocab_size)
 
 

@@ -52,7 +52,7 @@ def test_compile_backend_null_is_the_device_default_without_cp_and_eager_with_it
     from cpcompile.trainer import config
 
     def layers(backend, device="cpu", cp=1):
-        return config.TrainSettings(compile_backend=backend, device=device).validate().layer_compile_backend(cp)
+        return config.TrainSettings(compile_backend=backend, device=device).layer_compile_backend(cp)
 
     assert layers(None) is None and layers("eager") is None and layers("aot_eager") == "aot_eager"
     assert layers(None, "cuda") == "inductor" and layers("eager", "cuda") is None

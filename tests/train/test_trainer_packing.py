@@ -32,7 +32,7 @@ def _stream(tmp_path, docs: list[str] | None, seq_len: int, batch_size: int = 2,
         path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in docs))
         data = DataSettings(source="jsonl", path=str(path), packing=packing)
     settings = TrainSettings(seq_len=seq_len, batch_size=batch_size, seed=seed)
-    return TokenStream(data.validate(), settings, BYTE_VOCAB)
+    return TokenStream(data, settings, BYTE_VOCAB)
 
 
 def _random_docs(count: int) -> list[str]:
@@ -65,7 +65,7 @@ def test_a_jsonl_record_without_a_string_text_is_refused_by_line(tmp_path, line,
     path = tmp_path / "docs.jsonl"
     path.write_text(line + "\n")
     with pytest.raises(PlanError, match=words):
-        read_documents(DataSettings(source="jsonl", path=str(path)).validate())
+        read_documents(DataSettings(source="jsonl", path=str(path)))
 
 
 def test_a_packed_file_row_lays_documents_end_to_end_and_restarts_positions(tmp_path):

@@ -140,7 +140,7 @@ def test_byte_tokenizer_rows_hold_one_document_each(tmp_path):
     from cpcompile.trainer.data import TokenStream
 
     (tmp_path / "docs.txt").write_text("ab\n\ncdef")
-    data = DataSettings(source="text", path=str(tmp_path / "docs.txt")).validate()
+    data = DataSettings(source="text", path=str(tmp_path / "docs.txt"))
     stream = TokenStream(data, TrainSettings(seq_len=4, batch_size=2), vocab_size=257)
     batch = stream.batch(0)
     assert batch["input_ids"].tolist() == [[97, 98, 256, 256], [99, 100, 101, 102]]
@@ -156,7 +156,7 @@ def test_a_vocabulary_smaller_than_the_byte_tokenizer_names_the_field(tmp_path):
     from cpcompile.trainer.data import TokenStream
 
     (tmp_path / "docs.txt").write_text("ab")
-    data = DataSettings(source="text", path=str(tmp_path / "docs.txt")).validate()
+    data = DataSettings(source="text", path=str(tmp_path / "docs.txt"))
     with pytest.raises(PlanError) as info:
         TokenStream(data, TrainSettings(), vocab_size=100)
     assert info.value.field == "model.vocab_size"
