@@ -51,7 +51,7 @@ from ..documents import DocumentFeed
 from ..errors import PlanError
 from ..kernels.gdn.common import CHUNK_SIZE
 from ..mesh import CPMesh
-from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
+from ..installed_region import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
 from . import weights
 from .activation_checkpointing import EVERY_LAYER, ACMode, checkpoint_layers, offload_layer_inputs
 from .config_sections import DTYPES, TrainSettings
