@@ -92,7 +92,7 @@ class Regions:
     rotaries: list  # RoPE choosing its frequencies from the call (rope.py)
     signatures: dict[str, str]  # per region, its first input signature (NOT_REACHED until traced)
     installs: list[InstalledRegion] = field(default_factory=list)
-    mixers_audited: Any = None
+    mixers_audited: int = 0  # outermost modules the mixer audit called again
     compared: int = 0  # values the cut audit compared
     failure: Exception | None = None
 
