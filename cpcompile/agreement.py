@@ -147,16 +147,3 @@ def _device(mesh) -> torch.device:
     if mesh.device_type == "cpu":
         return torch.device("cpu")
     return torch.device(mesh.device_type, getattr(torch, mesh.device_type).current_device())
-
-
-def plan_fields(plan, targets) -> dict[str, str]:
-    """What every rank's plan must fix alike: the cp size, the sequence layout, each region's
-    method, and the parameter shapes of the regions (the same model)."""
-    return {
-        "cp_size": str(plan.cp_size),
-        "layout": str(plan.layout()),
-        "methods": ITEM_SEPARATOR.join(f"{t.fqn}: {t.override.method.describe()}" for t in targets),
-        "region parameters": ITEM_SEPARATOR.join(
-            f"{t.fqn}.{name}: {list(p.shape)}" for t in targets for name, p in t.module.named_parameters()
-        ),
-    }

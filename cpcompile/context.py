@@ -64,7 +64,8 @@ class PassContext:
     length_reads: list[Any] = field(default_factory=list)
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    cores_rewritten: int = 0
+    cores: list[Any] = field(default_factory=list)  # the method's matches (`find_cores_pass`)
+    cores_rewritten: int = 0  # counted by `rewrite_cores_pass` only
 
     def record(self, kind: str, purpose: str, launch: torch.fx.Node, wait: torch.fx.Node,
                group_name: str | None = None, group_size: int | None = None) -> None:

@@ -1,4 +1,6 @@
-"""The pipeline behind `cpcompile.compile`: match → probe → trace → rewrite → install, atomically.
+"""The pipeline behind `cpcompile.compile`, atomically, in stages: resolve the plan
+(`resolved_plan.py`) → agree on it → prepare the regions → probe and trace them → agree on the
+traces → install.
 
 Each region's replacement forward, which traces and rewrites it, is `installed_region.InstalledRegion`;
 the checks of the probe forward (coverage, sequence mixers, the example's positions) are
@@ -9,30 +11,30 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from fnmatch import fnmatchcase
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome, plan_fields
+from .agreement import ITEM_SEPARATOR, NOT_REACHED, agree, agree_on_outcome
 from .audit.config import config_hazards, refuse_router_aux_loss, refuse_router_aux_loss_call
 from .audit.coverage import attention_hint, check_coverage, check_mixers, refuse_example_without_positions
 from .audit.cuts import cut_audit
 from .capture import probe_forward
 from .documents import DocumentFeed
 from .dump import Dump, resolve_dump_dir
-from .errors import AlreadyCompiledError, CoverageError, CPConfigError, CPInputError, PlanError, UnsupportedError
-from .installed_region import MARKER, InstalledRegion, Target
+from .errors import CPConfigError, CPInputError
+from .installed_region import InstalledRegion
 from .meta_params import example_device, fake_parameters, has_meta_parameters
-from .methods import method_spec
 from .passes.backward_schedule import enable_for_groups
-from .plan import Override, load_plan
+from .plan import load_plan
 from .region import RetracePolicy
+from .resolved_plan import ResolvedPlan, resolve_plan
 from .rope import find_call_dependent_rotaries, install_step_rope
 from .rope import state_kept as rope_state_kept
 from .sequence_layout import LayoutGuard
-from .tp import check_tp_applied, find_tp_linears
+from .tp import find_tp_linears
 
 log = logging.getLogger("cpcompile")
 
@@ -63,70 +65,114 @@ def compile(model: nn.Module, mesh, plan, *, dump_dir=None, example_inputs: Any 
     """
     plan = load_plan(plan)
     retrace = RetracePolicy.resolve(trace_cache_size)
-    if plan.cp_size != mesh.cp_size:
-        raise CPConfigError(f"plan has cp_size={plan.cp_size} but the mesh's cp dimension has size {mesh.cp_size}")
-    overrides = plan.active_overrides()
-    if not overrides:
-        refuse_empty_plan(plan)
-        log.info("cpcompile: no active plan overrides (cp_size=%d); model left unchanged", plan.cp_size)
+    resolved = resolve_plan(model, mesh, plan)
+    if not resolved.targets:  # CP=1, or no override active: the model is left as it is
         return model
-    reject_unsupported_combinations(plan, overrides)
-    check_tp_applied(model, plan.accelerator.tp_size)
-    plan.layout()  # one batch has one sequence layout: refuse overrides that need different ones
-    targets = resolve_targets(model, overrides)
-    agree(mesh, "the plan", plan_fields(plan, targets), CPConfigError)  # before the first collective
-    build_subgroups(mesh, overrides)
-    tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in targets}  # before the probe runs them
+    agree_on_plan(mesh, resolved)
+    regions = prepare_regions(model, mesh, resolved, example_inputs, dump_dir)
+    probe_and_trace(model, mesh, retrace, resolved, regions)
+    agree_on_traces(mesh, regions)
+    install(model, mesh, resolved, regions)
+    return model
+
+
+@dataclass
+class Regions:
+    """What the probe and the traces of the regions make, for the agreement and the install.
+
+    From the probe to the last trace, a step may fail on this rank's own data (its mask, its
+    positions) and on no other: nothing there communicates, so the failure is kept (`failure`) and
+    the outcome agreed once at the end, so that every rank raises the same error or none does
+    (agreement.agree_on_outcome)."""
+
+    example: Any
+    tp_linears: dict[str, list]  # per region, its TP linears (found before the probe runs them)
+    dump: Dump | None
+    documents: DocumentFeed
+    rotaries: list  # RoPE choosing its frequencies from the call (rope.py)
+    signatures: dict[str, str]  # per region, its first input signature (NOT_REACHED until traced)
+    installs: list[InstalledRegion] = field(default_factory=list)
+    mixers_audited: int = 0  # outermost modules the mixer audit called again
+    compared: int = 0  # values the cut audit compared
+    failure: Exception | None = None
+
+
+def agree_on_plan(mesh, resolved: ResolvedPlan) -> None:
+    """Every rank holds the same plan and model, checked before the first collective that needs
+    it; then every sub-group a method needs is created, on all ranks in one order.
+
+    `new_group` is collective; a region re-traced later (a new input shape) may do so on one
+    rank only, so passes must find their groups already built and cached in the mesh.
+    """
+    agree(mesh, "the plan", resolved.agreement_fields(), CPConfigError)
+    for degree in resolved.subgroup_degrees:
+        mesh.cp_subgroups(degree)
+
+
+def prepare_regions(model: nn.Module, mesh, resolved: ResolvedPlan, example_inputs, dump_dir) -> Regions:
+    """The checks before the probe that need the example or the model, not a trace; -> `Regions`."""
+    tp_linears = {t.fqn: find_tp_linears(t.fqn, t.module, mesh) for t in resolved.targets}
     example = example_inputs if example_inputs is not None else default_example(model)
     refuse_example_without_positions(model, example)
     dump = Dump(root) if (root := resolve_dump_dir(dump_dir)) else None
     documents = DocumentFeed()
     if isinstance(example, dict):  # a packed example traces the regions that read documents for it
         documents.update(example.get("position_ids"))
-    # From the probe to the last rewrite, a step may fail on this rank's own data (its mask, its
-    # positions) and on no other: nothing here communicates, and the outcome is agreed once at the
-    # end, so that every rank raises the same error or none does (agreement.agree_on_outcome).
-    installs: list[InstalledRegion] = []
-    compared = 0  # values the cut audit compared
-    signatures = {t.fqn: NOT_REACHED for t in targets}
     # RoPE choosing its frequencies from the call: refused, or chosen from the step's longest position (rope.py)
-    rotaries = find_call_dependent_rotaries(model, [t.fqn for t in targets])
+    rotaries = find_call_dependent_rotaries(model, [t.fqn for t in resolved.targets])
     refuse_router_aux_loss(model)
+    return Regions(example, tp_linears, dump, documents, rotaries, {t.fqn: NOT_REACHED for t in resolved.targets})
+
+
+def probe_and_trace(model: nn.Module, mesh, retrace: RetracePolicy, resolved: ResolvedPlan, regions: Regions) -> None:
+    """The probe forward and its checks, each region's trace and rewrite, then the cut audit;
+    a failure is kept in `regions.failure` (`Regions`)."""
+    targets, example, rotaries = resolved.targets, regions.example, regions.rotaries
     try:
         with parameters_for_compile(model, example):
             with rope_state_kept(rotaries):
                 probe = probe_forward(model, example, {t.fqn: t.module for t in targets})
-            check_coverage(targets, probe.core_sites, dict(model.named_modules()), attention_hint(model))
+            check_coverage(list(targets), probe.core_sites, dict(model.named_modules()), attention_hint(model))
             check_mixers(probe)
+            regions.mixers_audited = probe.mixers_audited
             for target in targets:
                 args, kwargs = probe.inputs[target.fqn]
-                installed = InstalledRegion(target, mesh, dump, retrace, args, kwargs, tp_linears[target.fqn], documents)
-                signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
-                installs.append(installed)
-            compared = cut_audit(model, example, probe.tokens, {i.target.fqn: i.reads for i in installs},
-                                 {f.fqn for f in rotaries}, lambda: rope_state_kept(rotaries))
-        failure = None
-    except Exception as exc:  # noqa: BLE001 -- re-raised below, on every rank, once the group agreed
-        failure = exc
-    fields = {f"inputs of region {fqn}": signature for fqn, signature in signatures.items()}
-    agree_on_outcome(mesh, "compiling the regions", fields, failure, CPInputError)
-    for installed in installs:
+                installed = InstalledRegion(target, mesh, regions.dump, retrace, args, kwargs,
+                                            regions.tp_linears[target.fqn], regions.documents)
+                regions.signatures[target.fqn] = ITEM_SEPARATOR.join(installed.first_signature)
+                regions.installs.append(installed)
+            regions.compared = cut_audit(model, example, probe.tokens, {i.target.fqn: i.reads for i in regions.installs},
+                                         {f.fqn for f in rotaries}, lambda: rope_state_kept(rotaries))
+    except Exception as exc:  # noqa: BLE001 -- re-raised by agree_on_traces, on every rank, once the group agreed
+        regions.failure = exc
+
+
+def agree_on_traces(mesh, regions: Regions) -> None:
+    """Every rank traced every region, with the same input signatures, or every rank raises."""
+    fields = {f"inputs of region {fqn}": signature for fqn, signature in regions.signatures.items()}
+    agree_on_outcome(mesh, "compiling the regions", fields, regions.failure, CPInputError)
+    for installed in regions.installs:
         installed.agreed.add(installed.first_signature)
-    hazards = config_hazards(model, {i.target.fqn: i.declared for i in installs}, rotaries, probe.mixers_audited,
-                             compared)
+
+
+def install(model: nn.Module, mesh, resolved: ResolvedPlan, regions: Regions) -> None:
+    """Report the configuration's hazards, then replace the regions' forwards and install what runs
+    around them (step RoPE, the async backward schedule, the layout guard, the documents)."""
+    installs = regions.installs
+    hazards = config_hazards(model, {i.target.fqn: i.declared for i in installs}, regions.rotaries,
+                             regions.mixers_audited, regions.compared)
     for hazard in hazards:
         log.info("cpcompile: %s", hazard.describe())
-    if dump:
-        dump.set_hazards([hazard.as_dict() for hazard in hazards])
-    for installed in installs:  # nothing above touched the model; from here on nothing can fail
+    if regions.dump:
+        regions.dump.set_hazards([hazard.as_dict() for hazard in hazards])
+    for installed in installs:  # nothing before touched the model; from here on nothing can fail
         installed.install()
-    install_step_rope(rotaries, mesh)
-    schedule_async_backward(mesh, overrides)
+    install_step_rope(regions.rotaries, mesh)
+    schedule_async_backward(mesh, resolved)
     reads_batch_marks = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
-    guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, plan.layout(), every_call=reads_batch_marks)
-    install_layout_guard(model, guard, documents)
-    hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents], documents)
-    return model
+    guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, resolved.layout, every_call=reads_batch_marks)
+    install_layout_guard(model, guard, regions.documents)
+    hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents], regions.documents)
 
 
 def parameters_for_compile(model: nn.Module, example: Any):
@@ -170,78 +216,15 @@ def install_layout_guard(model: nn.Module, guard: LayoutGuard, documents: Docume
     model.register_forward_pre_hook(check, with_kwargs=True)
 
 
-def schedule_async_backward(mesh, overrides: list[Override]) -> None:
+def schedule_async_backward(mesh, resolved: ResolvedPlan) -> None:
     """Under `torch.compile` (Inductor), the backward graphs talking on an async region's groups
     get the forward's schedule too (`passes/backward_schedule.py`); eager backward is unchanged."""
-    groups = set()
-    for override in overrides:
-        if override.method.asynchronous:
-            groups.add(mesh.cp_group_name)
-            for degree in method_spec(override.method).subgroups(override.method.params):
-                groups.update(g.group_name for g in mesh.cp_subgroups(degree))
-    if groups:
-        enable_for_groups(groups)
-
-
-def refuse_empty_plan(plan) -> None:
-    """A plan with no override at CP>1 would leave every attention unrewritten: a rank fed its
-    slice would attend only within it, silently wrong. At cp_size 1 the `when: cp` overrides are
-    inactive on purpose (the model is left as it is)."""
-    if plan.cp_size > 1:
-        raise CoverageError(
-            f"cp_size={plan.cp_size} but the plan has no plan_overrides (an empty list, or a blank "
-            "`plan_overrides:` line): CP>1 needs an explicit method for every attention core; unrewritten, "
-            "each rank would attend only within its own slice of the sequence"
-        )
-
-
-def reject_unsupported_combinations(plan, overrides) -> None:
-    for name, size in plan.accelerator.not_with_cp():
-        raise UnsupportedError(f"accelerator.{name}={size} together with context parallelism is not supported yet")
-    tp_size = plan.accelerator.tp_size
-    for override in overrides:
-        if tp_size > 1 and override.method is not None and override.method.core == "gdn":
-            raise UnsupportedError(
-                f"{override.field('inner_wrapper')}: accelerator.tp_size={tp_size} with a Gated DeltaNet CP method "
-                f"({override.method.describe()}): TP+CP on GDN layers is out of scope (the GDN RFC refuses it: its CP "
-                "methods split or chain the recurrent state of the whole layer's heads); set tp_size: 1"
-            )
-
-
-def build_subgroups(mesh, overrides: list[Override]) -> None:
-    """Create every sub-group a method needs now, on all ranks in one order.
-
-    `new_group` is collective; a region re-traced later (a new input shape) may do so on one
-    rank only, so passes must find their groups already built and cached in the mesh.
-    """
-    degrees = sorted({degree for o in overrides for degree in method_spec(o.method).subgroups(o.method.params)})
-    for degree in degrees:
-        mesh.cp_subgroups(degree)
-
-
-def resolve_targets(model: nn.Module, overrides: list[Override]) -> list[Target]:
-    modules = dict(model.named_modules())
-    targets: dict[str, Target] = {}
-    for override in overrides:
-        hits = [fqn for fqn in modules if fqn and fnmatchcase(fqn, override.match)]
-        if not hits:
-            raise PlanError(override.field("match"), f"{override.match!r} matches no module of {type(model).__name__}")
-        for fqn in hits:
-            region_fqn = fqn if override.inner_target == "self" else f"{fqn}.{override.inner_target}"
-            if region_fqn not in modules:
-                raise PlanError(override.field("inner_target"), f"module {fqn!r} has no submodule {override.inner_target!r}")
-            if region_fqn in targets:
-                other = targets[region_fqn].override
-                raise PlanError(override.field("match"), f"module {region_fqn!r} is also matched by {other.field('match')} ({other.match!r})")
-            module = modules[region_fqn]
-            if hasattr(module, MARKER):
-                raise AlreadyCompiledError(f"module {region_fqn!r} was already compiled by cpcompile ({getattr(module, MARKER)})")
-            targets[region_fqn] = Target(region_fqn, module, override)
-    for fqn in targets:
-        for other in targets:
-            if other != fqn and other.startswith(fqn + "."):
-                raise PlanError(targets[other].override.field("match"), f"region {other!r} lies inside region {fqn!r}; regions must not nest")
-    return list(targets.values())
+    if not resolved.asynchronous:
+        return
+    groups = {mesh.cp_group_name}
+    for degree in resolved.async_subgroup_degrees:
+        groups.update(g.group_name for g in mesh.cp_subgroups(degree))
+    enable_for_groups(groups)
 
 
 def default_example(model: nn.Module) -> dict:

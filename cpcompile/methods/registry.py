@@ -9,7 +9,7 @@ modules are cores by type. Everything downstream asks here, never a name string:
 
 - `compile` (pipeline.py): `region_for` (the adapter of a region), `method_spec(...).subgroups`;
 - capture: `core_module_kind` (cores recognised by module type);
-- the passes: `method_spec(...).find` / `.rewrite`; the schedule pass: `.sync_wrapper`;
+- the passes: `method_spec(...).find` / `.prepare` / `.rewrite` (`passes/cores.py`); the schedule pass: `.sync_wrapper`;
 - the plan's layout rule: `methods_of_core` (does a core have a method for a layout?).
 
 Wrappers (`cpcompile.wrappers`, `adapters/qwen3_5.py`) make their `CPMethod` with
@@ -38,7 +38,8 @@ class MethodSpec:
 
     `find(gm)` returns the region's cores of kind `core` as matches (each `replace_with`s its
     core); `rewrite(gm, match, ctx)` rewrites one. `adapter` names the region adapter used when
-    the wrapper's `CPMethod` names none (its `adapter` parameter). `subgroups(params)` gives the
+    the wrapper's `CPMethod` names none (its `adapter` parameter). `passes/cores.py` runs them:
+    `prepare(gm, match, ctx)`, when set, before each `rewrite`. `subgroups(params)` gives the
     Ulysses degrees whose (Ulysses, ring) sub-groups `compile` builds on every rank before any
     trace (creating groups is collective, so a pass may only look them up). An asynchronous
     method names `sync_wrapper`, the wrapper of the same method without the schedule.
@@ -54,6 +55,9 @@ class MethodSpec:
     asynchronous: bool = False
     sync_wrapper: str | None = None
     fixed_chunks: bool = False  # `CPMethod.fixed_chunks`
+    # what every method of the core does to a core before its own rewrite (GDN: the conv halo)
+    prepare: Callable | None = None
+    drop_dead_code: bool = False  # after the rewrites (SDPA: the K/V copies of HF's repeat_kv)
 
     @property
     def key(self) -> tuple[str, str, bool]:

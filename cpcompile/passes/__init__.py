@@ -2,12 +2,14 @@
 
 Passes are plain functions `name_pass(gm, ctx) -> gm`, run in this order:
 
-1. `find_cores_pass`   — the region holds the core kind its method rewrites (checks.py)
+1. `find_cores_pass`   — the cores of the kind the region's method rewrites, found once and
+                         kept in the context; none is an error (cores.py)
    `local_length_pass` — ops reading the local sequence length: arange(length) → global
                          positions, anything else refused (local_length.py)
-2. `sdpa_rewrite_pass` — SDPA cores → collectives + local attention (sdpa/)
-   `gdn_rewrite_pass`  — GDN layers → conv halo + Ulysses / state chain / state gather (gdn/)
-   `local_compute_pass` — a user's `local_compute_fn`: its collectives recorded and checked
+2. `rewrite_cores_pass` — each core rewritten by its method, and counted (cores.py): SDPA cores →
+                         collectives + local attention (sdpa/); GDN layers → conv halo + Ulysses /
+                         state chain / state gather (gdn/); a user's `local_compute_fn`: its
+                         collectives recorded and checked (local_compute.py)
 3. `schedule_pass`     — async methods: one priority-ordered topological sort puts each launch
                          after its last producer and its wait before its first consumer, then
                          refuses a collective or attention with nothing to overlap (schedule.py)
@@ -27,18 +29,16 @@ from typing import Callable
 import torch.fx as fx
 
 from ..context import PassContext
-from .checks import find_cores_pass, verify_pass
-from .gdn import gdn_rewrite_pass
+from .checks import verify_pass
+from .cores import find_cores_pass, rewrite_cores_pass
 from .local_length import local_length_pass
-from .local_compute import local_compute_pass
 from .schedule import schedule_pass
-from .sdpa import sdpa_rewrite_pass
 
 Pass = Callable[[fx.GraphModule, PassContext], fx.GraphModule]
 
 
 PIPELINE: tuple[Pass, ...] = (
-    find_cores_pass, local_length_pass, sdpa_rewrite_pass, gdn_rewrite_pass, local_compute_pass, schedule_pass, verify_pass,
+    find_cores_pass, local_length_pass, rewrite_cores_pass, schedule_pass, verify_pass,
 )
 
 

@@ -1,21 +1,10 @@
-"""The first and last passes: the region holds the core its method expects; the result is sound."""
+"""The last pass: the rewritten region is sound."""
 from __future__ import annotations
 
 import torch.fx as fx
 
 from .. import collectives as C
 from ..context import PassContext
-from ..errors import CoverageError
-from ..methods import method_spec
-
-
-def find_cores_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if not method_spec(ctx.method).find(gm):
-        raise CoverageError(
-            f"{ctx.fqn}: the plan selects {ctx.method.describe()} but the traced module has no "
-            f"{ctx.method.core} core (for SDPA: is the model using attn_implementation='sdpa'?)"
-        )
-    return gm
 
 
 def verify_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:

@@ -10,7 +10,7 @@ import torch.fx as fx
 from .. import collectives as C
 from ..context import PassContext
 from ..errors import CPInputError
-from ..methods import MethodSpec, method_spec, register_method
+from ..methods import MethodSpec, register_method
 from ..methods.local_compute import LOCAL_COMPUTE, LOCAL_CORE, lookup
 from .graph_utils import Emitter
 from .schedule import group_of
@@ -40,9 +40,6 @@ def record_local_compute(gm: fx.GraphModule, match: LocalComputeMatch, ctx: Pass
                    group_name=group_of(launch))
         if launch.target in C.LAUNCH_OPS and wait is not launch:
             contiguous_gradient_after(gm, wait)
-    ctx.cores_rewritten += 1
-    gm.graph.lint()
-    gm.recompile()
 
 
 def contiguous_gradient_after(gm: fx.GraphModule, wait: fx.Node) -> None:
@@ -57,15 +54,6 @@ def contiguous_gradient_after(gm: fx.GraphModule, wait: fx.Node) -> None:
     guarded = emit(C.contiguous_gradient, guarded)
     for user in users:
         user.replace_input_with(wait, guarded)
-
-
-def local_compute_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.method.core != LOCAL_CORE:
-        return gm
-    spec = method_spec(ctx.method)
-    for match in spec.find(gm):
-        spec.rewrite(gm, match, ctx)
-    return gm
 
 
 SPEC = register_method(MethodSpec(core=LOCAL_CORE, name=LOCAL_COMPUTE, find=find_local_compute,

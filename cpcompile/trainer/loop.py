@@ -1,4 +1,5 @@
-"""The training run: build (mesh, data, model, CP, AC, FSDP2, AdamW + schedule), resume, then
+"""The training run: build (mesh, data, model, its parallelization `parallelize.parallelize_model`:
+TP, CP, AC, compile, offload, FSDP2; AdamW + schedule), resume, then
 one optimizer step per global batch, logging and checkpointing as the config says.
 
 One step is `step.py` (`Trainer.step`: this replica's rows, `shard_batch` for this CP rank, the
@@ -24,7 +25,6 @@ from ..batch import shard_batch
 from ..dump import prepare_dump_dir, resolve_dump_dir
 from ..errors import CPConfigError, PlanError
 from ..mesh import build_mesh
-from ..pipeline import compile as cp_compile
 from ..plan import Plan
 from . import checkpoint, lock, resume_settings
 from .config import TrainConfig, pretrained_folder
@@ -33,8 +33,7 @@ from .export import export_folder, export_from_ranks
 from .lm_loss import use_loss
 from .metrics import MetricsLog, check_finite, summary, warmup_steps
 from .optimizer import build_optimizer
-from .parallelize import (apply_activation_checkpointing, apply_fsdp, apply_input_offload, apply_tensor_parallel,
-                          build_model, compile_layers, fsdp_mesh, gradient_scale, is_rank_zero, use_cpcompile_gdn)
+from .parallelize import build_model, gradient_scale, is_rank_zero, parallelize_model
 from .progress import Progress
 from .startup import check_before_building
 from .step import Trainer, probe_inputs
@@ -96,22 +95,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
     use_loss(model, settings, settings.loss_compile_backend(config.plan.cp_size))
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
-    if config.plan.accelerator.tp_size > 1:
-        apply_tensor_parallel(model, mesh)
-    progress.at("compile")
-    cp_compile(model, mesh, config.plan, dump_dir=settings.dump_dir, example_inputs=probe_inputs(model, first))
-    progress.at("start")
-    routed = use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
-    if settings.gdn_checkpoint_around_core and not routed:
-        raise PlanError("train.gdn_checkpoint_around_core", f"{type(model).__name__} has no GDN layer run outside CP: "
-                                                            "nothing to checkpoint around")
-    apply_activation_checkpointing(model, settings.ac_mode)
-    if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
-        compile_layers(model, backend)
-    if settings.offload_layer_inputs:
-        apply_input_offload(model, settings.ac_mode, pin_memory=settings.device == "cuda")
-    sharding = fsdp_mesh(mesh)
-    apply_fsdp(model, sharding, settings)
+    sharding = parallelize_model(model, mesh, config, probe_inputs(model, first), progress)
     if on_meta:
         materialize(model, settings.device)
     if pretrained is not None:

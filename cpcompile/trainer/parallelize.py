@@ -1,5 +1,5 @@
 """Build the model and parallelize it, in this order: tensor parallelism, CP rewrite,
-activation checkpointing, `torch.compile`, FSDP2.
+activation checkpointing, `torch.compile`, input offload, FSDP2 (`parallelize_model` owns it).
 
 - **TP** (`tp_size > 1`, SDPA models): PyTorch's own `parallelize_module` over the `tp`
   dimension of the cpcompile mesh, Megatron style: `ColwiseParallel` on q/k/v and the MLP's
@@ -13,7 +13,9 @@ activation checkpointing, `torch.compile`, FSDP2.
   parameters are still on the meta device: compile probes and traces it with fake ones).
   Each rewritten region reads its parameters from the live module at call time, so FSDP2 may
   shard them afterwards.
-- **Activation checkpointing** (checkpointing.py): the decoder layers `train.activation_checkpointing`
+- **GDN layers outside CP** (`use_cpcompile_gdn`, `train.gdn_backend`): run by cpcompile's statement
+  of the layer, as the rewritten ones are; before checkpointing, which wraps what they became.
+- **Activation checkpointing** (activation_checkpointing.py): the decoder layers `train.activation_checkpointing`
   picks (all, every k-th, or all with the `selective` op policy) run under
   `torch.utils.checkpoint` (non-reentrant). The recompute replays the layer's forward, so the
   rewritten regions inside issue their forward collectives a second time (`selective`: only
@@ -26,6 +28,8 @@ activation checkpointing, `torch.compile`, FSDP2.
   (`cpcompile.compiled.compile_around_regions`: a new input signature runs eagerly first, so the
   regions trace it). Compiling the whole model around checkpointed layers makes the recompute
   take another graph than the forward, which `torch.utils.checkpoint` refuses.
+- **Input offload** (`train.offload_layer_inputs`): the checkpointed layers' inputs wait in host
+  memory for their backward, around the compiled forward (activation_checkpointing.py).
 - **FSDP2** (`fully_shard`): each decoder layer, then the root, shard over the flattened
   `dp_shard x cp` mesh, replicated over `dp_replicate` (HSDP) when that is > 1. With TP, the
   FSDP mesh is cut from the same root mesh as the `tp` mesh (FSDP2 requires one parent for 2-D
@@ -39,6 +43,7 @@ activation checkpointing, `torch.compile`, FSDP2.
 from __future__ import annotations
 
 import types
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -51,12 +56,44 @@ from ..documents import DocumentFeed
 from ..errors import PlanError
 from ..kernels.gdn.common import CHUNK_SIZE
 from ..mesh import CPMesh
-from ..pipeline import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
+from ..pipeline import compile as cp_compile
+from ..installed_region import MARKER as REWRITTEN_MARK  # set on every module whose forward CP rewrote
 from . import weights
 from .activation_checkpointing import EVERY_LAYER, ACMode, checkpoint_layers, offload_layer_inputs
 from .config_sections import DTYPES, TrainSettings
 from .hf_config import model_config, transformers_module
+from .progress import Progress
 
+if TYPE_CHECKING:
+    from .config import TrainConfig
+
+
+def parallelize_model(model: torch.nn.Module, mesh: CPMesh, config: "TrainConfig", example: Any,
+                      progress: Progress | None = None) -> DeviceMesh:
+    """Parallelize the built model in place, in the module doc's order; `example` is what the CP
+    rewrite's probe forward calls the model with (the first step's inputs, `step.probe_inputs`);
+    `progress` hears when the rewrite starts and ends. -> the mesh FSDP2 shards over (for
+    `gradient_scale`)."""
+    settings = config.train
+    if config.plan.accelerator.tp_size > 1:
+        apply_tensor_parallel(model, mesh)
+    if progress is not None:
+        progress.at("compile")
+    cp_compile(model, mesh, config.plan, dump_dir=settings.dump_dir, example_inputs=example)
+    if progress is not None:
+        progress.at("start")
+    routed = use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
+    if settings.gdn_checkpoint_around_core and not routed:
+        raise PlanError("train.gdn_checkpoint_around_core", f"{type(model).__name__} has no GDN layer run outside CP: "
+                                                            "nothing to checkpoint around")
+    apply_activation_checkpointing(model, settings.ac_mode)
+    if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
+        compile_layers(model, backend)
+    if settings.offload_layer_inputs:
+        apply_input_offload(model, settings.ac_mode, pin_memory=settings.device == "cuda")
+    sharding = fsdp_mesh(mesh)
+    apply_fsdp(model, sharding, settings)
+    return sharding
 
 
 def build_model(raw_model_config: dict, settings: TrainSettings, parameters_on_meta: bool = False) -> torch.nn.Module:

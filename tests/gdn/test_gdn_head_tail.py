@@ -94,16 +94,16 @@ def _uncomposed_plan(world: int):
 
 
 def _negative_controls(world: int, seed: int) -> dict:
-    from cpcompile.passes.gdn import rewrite
+    from cpcompile.passes.gdn import conv_halo
 
     length = 2 * world * FRAGMENT
     batch = random_batch(seed + 1, 2, length, padded=True)
     controls = {"states not composed": compare_cp_run(qwen3_5(seed), batch, _uncomposed_plan(world))}
 
     def contiguous_halo(gm, match, ctx):  # the tail reads its own head's end, the head rank r−1's tail
-        rewrite.fill_conv_halo(gm, match, ctx)
+        conv_halo.fill_conv_halo(gm, match, ctx)
 
-    with mock.patch.object(rewrite, "fill_head_tail_conv_halo", contiguous_halo):
+    with mock.patch.object(conv_halo, "fill_head_tail_conv_halo", contiguous_halo):
         controls["halo from the wrong neighbour"] = compare_cp_run(qwen3_5(seed), batch,
                                                                    head_tail_plan(world, QWEN3_5_METHODS))
     return controls

@@ -37,10 +37,10 @@ def _train(config: dict, whole: bool) -> dict:
     """`STEPS` steps of `config`; built on meta as the trainer does, or (`whole`) from a model built
     whole with random parameters. -> the step records, the weights after (rank 0: whole tensors)
     and whether the parameters were on meta at the rewrite and at `materialize`."""
-    from cpcompile.trainer import load_train_config, loop
+    from cpcompile.trainer import load_train_config, loop, parallelize
 
     seen = {}
-    originals = loop.build_model, loop.cp_compile, loop.materialize
+    originals = loop.build_model, parallelize.cp_compile, loop.materialize
 
     def build_model(raw, settings, parameters_on_meta=False):
         return originals[0](raw, settings, parameters_on_meta=parameters_on_meta and not whole)
@@ -53,11 +53,11 @@ def _train(config: dict, whole: bool) -> dict:
         seen["meta_at_materialize"] = all(_on_meta(p) for p in model.parameters())
         return originals[2](model, device)
 
-    loop.build_model, loop.cp_compile, loop.materialize = build_model, cp_compile, materialize
+    loop.build_model, parallelize.cp_compile, loop.materialize = build_model, cp_compile, materialize
     try:
         trainer = loop.build_trainer(load_train_config(config))
     finally:
-        loop.build_model, loop.cp_compile, loop.materialize = originals
+        loop.build_model, parallelize.cp_compile, loop.materialize = originals
     records = [trainer.step(i) for i in range(STEPS)]
     weights = {name: p.full_tensor() for name, p in trainer.model.named_parameters()}  # a collective
     return {"records": [(r["loss"], r["grad_norm"]) for r in records], "weights": weights, **seen}

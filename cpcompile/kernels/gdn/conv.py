@@ -16,7 +16,7 @@ def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     """The causal depthwise conv of one document a row (`history`: the input with its left context).
 
     Under `torch.compile` (Dynamo tracing: the trainer's compiled layers, and the CP regions they
-    inline, whose rewritten graphs call this function: `passes/gdn/rewrite.py`) it is `conv_taps`' K
+    inline, whose rewritten graphs call this function: `passes/gdn/conv_halo.py`) it is `conv_taps`' K
     shifted multiply-adds, which inductor fuses with the transposes, the pad, the SiLU and the
     casts around them into a few memory-bound kernels (and their backward, the weight's gradient
     included); `F.conv1d` would stay an opaque kernel there, and PyTorch's depthwise conv kernel on

@@ -10,7 +10,8 @@ from ...methods import register_method
 from ..comm import gather_ranks, note_once
 from ..graph_utils import Emitter
 from .fragments import PASS, apply_summary, local_summary, zero_state
-from .match import GdnMatch, gdn_method
+from .conv_halo import gdn_method
+from .match import GdnMatch
 
 aten = torch.ops.aten
 

@@ -12,7 +12,8 @@ from ..comm import gather_ranks, note_once
 from ..graph_utils import Emitter, val
 from .fragments import PASS, apply_summary, summary_of, zero_state
 from .head_tail import HEAD, TAIL, fold_core_inputs, sequence_owners, slot_rows, unfold
-from .match import GdnMatch, gdn_method
+from .conv_halo import gdn_method
+from .match import GdnMatch
 
 aten = torch.ops.aten
 

@@ -9,7 +9,6 @@ import torch.fx as fx
 
 from ...errors import CPInputError
 from ...kernels.gdn import layer_ops  # noqa: F401  (registers the cpcompile:: ops)
-from ...methods import CONTIGUOUS, MethodSpec
 from ..graph_utils import CoreMatch
 
 aten = torch.ops.aten
@@ -102,11 +101,3 @@ def find_gdn_cores(gm: fx.GraphModule) -> list[GdnMatch]:
         raise CPInputError(f"expected one GDN core per region, found {len(cores)}")
     pad, halo = _conv_left_pad(gm)
     return [GdnMatch(cores[0], pad, halo)]
-
-
-def gdn_method(name: str, rewrite, layout: str = CONTIGUOUS) -> MethodSpec:
-    """The spec of a GDN method: its core is one `cpcompile::gdn_chunk` node. The region adapter is
-    the model's: its wrappers name it (`adapter` parameter). In Head-Tail order a rank's fragments
-    are the layout's two chunks, packed batch or not (`CPMethod.fixed_chunks`)."""
-    return MethodSpec(core=CORE, name=name, find=find_gdn_cores, rewrite=rewrite, layout=layout,
-                      fixed_chunks=layout != CONTIGUOUS)

@@ -21,7 +21,8 @@ from ...methods import register_method
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter
 from .fragments import PASS, apply_summary, local_summary, zero_state
-from .match import GdnMatch, gdn_method
+from .conv_halo import gdn_method
+from .match import GdnMatch
 
 aten = torch.ops.aten
 GDN_P2P_CHUNK = torch.ops.cpcompile.gdn_p2p_chunk.default

@@ -27,7 +27,8 @@ from ..comm import note_once, shift_to_next_rank, shift_to_previous_rank
 from ..graph_utils import Emitter
 from .fragments import PASS, apply_summary, summary_of, zero_state
 from .head_tail import HEAD, TAIL, fold_core_inputs, slot_rows, unfold
-from .match import GdnMatch, gdn_method
+from .conv_halo import gdn_method
+from .match import GdnMatch
 
 aten = torch.ops.aten
 GDN_P2P_HEAD_TAIL_CHUNK = torch.ops.cpcompile.gdn_p2p_head_tail_chunk.default

@@ -12,7 +12,8 @@ from ...methods import register_method
 from ..comm import all_gather_sequence
 from ..graph_utils import Emitter, val
 from .fragments import PASS, heads_to_seq, seq_to_heads
-from .match import GdnMatch, gdn_method
+from .conv_halo import gdn_method
+from .match import GdnMatch
 
 aten = torch.ops.aten
 

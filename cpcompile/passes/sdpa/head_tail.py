@@ -61,7 +61,6 @@ def rewrite_head_tail(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext) ->
     head, tail = local_chunks(ctx)
     note_once(ctx, f"head-tail: local chunks {head} and {tail} of {2 * ctx.cp_size} ({chunk} tokens each); "
                    "K/V gathered over cp and put in global order, each chunk attends to its visible key prefix")
-    ctx.cores_rewritten += 1
 
 
 def rewrite_per_document(gm: fx.GraphModule, emit: Emitter, match: SdpaMatch, ctx: PassContext,
@@ -88,7 +87,6 @@ def rewrite_per_document(gm: fx.GraphModule, emit: Emitter, match: SdpaMatch, ct
     match.replace_with(gm, emit_local_attention(emit, ctx, match, query, key, value, key_tags, [0], True, here))
     note_once(ctx, "head-tail per document (packed batch): K/V, documents and token positions gathered over cp, "
                    "K/V put in global order; queries at the batch's positions")
-    ctx.cores_rewritten += 1
 
 
 def in_global_order(emit: Emitter, gathered: fx.Node, order: fx.Node) -> fx.Node:

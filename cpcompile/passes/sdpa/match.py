@@ -88,5 +88,8 @@ def repeat_kv_source(node: fx.Node) -> fx.Node | None:
 
 
 def sdpa_method(name: str, rewrite, **spec) -> MethodSpec:
-    """The spec of an SDPA method: its cores are SDPA calls, its regions traced by the SDPA adapter."""
-    return MethodSpec(core=CORE, name=name, find=find_sdpa_cores, rewrite=rewrite, adapter="sdpa", **spec)
+    """The spec of an SDPA method: its cores are SDPA calls, its regions traced by the SDPA adapter.
+    Rewrites read K/V before HF's repeat_kv; the repeated copies would otherwise still be made, so
+    the dead code goes after them."""
+    return MethodSpec(core=CORE, name=name, find=find_sdpa_cores, rewrite=rewrite, adapter="sdpa",
+                      drop_dead_code=True, **spec)

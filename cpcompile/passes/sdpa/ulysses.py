@@ -55,7 +55,6 @@ def rewrite_head_parallel(gm: fx.GraphModule, match: SdpaMatch, ctx: PassContext
     output = emit_local_attention(emit, ctx, match, query, key, value, key_tags,
                                   [(ctx.cp_rank // heads.size) * span], causal)
     match.replace_with(gm, heads_to_seq(emit, ctx, output, heads, "attention output"))
-    ctx.cores_rewritten += 1
 
 
 def kv_replicas(ctx: PassContext, label: str, degree: int, q_heads: int, kv_heads: int) -> int:

@@ -1,10 +1,10 @@
-"""Rewrite a traced GDN layer for context parallelism with the region's method.
+"""What every GDN method shares: its spec (`gdn_method`) and the step before its rewrite.
 
 Every method first gives the causal conv its true left context (`fill_conv_halo`): the last
 `kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad, and a
 traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`); in
 Head-Tail order each of a rank's two fragments gets its own (`head_tail.fill_head_tail_conv_halo`).
-Then the method rewrites the core: Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
+Then the method rewrites the core (`passes/cores.py` runs both): Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
 (`all_gather.py`), and in Head-Tail order `p2p_head_tail.py`, `all_gather_head_tail.py`.
 """
 from __future__ import annotations
@@ -15,32 +15,33 @@ import torch.fx as fx
 from ...context import PassContext
 from ...errors import CPInputError
 from ...kernels.gdn.conv import causal_conv
-from ...methods import HEAD_TAIL, method_spec
+from ...methods import CONTIGUOUS, HEAD_TAIL, MethodSpec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
 from .fragments import PASS
 from .head_tail import fill_head_tail_conv_halo
-from .match import CONV_OPS, CORE, GdnMatch, conv_args
+from .match import CONV_OPS, CORE, GdnMatch, conv_args, find_gdn_cores
 
 aten = torch.ops.aten
 
 
-def gdn_rewrite_pass(gm: fx.GraphModule, ctx: PassContext) -> fx.GraphModule:
-    if ctx.method.core != CORE:
-        return gm
-    spec = method_spec(ctx.method)  # each method registers its rewrite in its own file
-    for match in spec.find(gm):
-        if ctx.method.layout == HEAD_TAIL:  # two fragments a rank: a halo and a conv each
-            fill_head_tail_conv_halo(gm, match, ctx)
-        else:
-            history = fill_conv_halo(gm, match, ctx)
-            for conv in [user for user in history.users if user.target in CONV_OPS]:
-                conv_for_compile(gm, conv)
-        spec.rewrite(gm, match, ctx)
-        ctx.cores_rewritten += 1
-    gm.graph.lint()
-    gm.recompile()
-    return gm
+def gdn_method(name: str, rewrite, layout: str = CONTIGUOUS) -> MethodSpec:
+    """The spec of a GDN method: its core is one `cpcompile::gdn_chunk` node, and before its rewrite
+    the conv gets its halo (`fill_halo`). The region adapter is the model's: its wrappers name it
+    (`adapter` parameter). In Head-Tail order a rank's fragments are the layout's two chunks,
+    packed batch or not (`CPMethod.fixed_chunks`)."""
+    return MethodSpec(core=CORE, name=name, find=find_gdn_cores, rewrite=rewrite, layout=layout,
+                      fixed_chunks=layout != CONTIGUOUS, prepare=fill_halo)
+
+
+def fill_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
+    """What every GDN method does to a core first (`passes/cores.py` calls it): the conv's halo."""
+    if ctx.method.layout == HEAD_TAIL:  # two fragments a rank: a halo and a conv each
+        fill_head_tail_conv_halo(gm, match, ctx)
+        return
+    history = fill_conv_halo(gm, match, ctx)
+    for conv in [user for user in history.users if user.target in CONV_OPS]:
+        conv_for_compile(gm, conv)
 
 
 def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> fx.Node:
