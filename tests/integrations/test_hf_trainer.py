@@ -25,9 +25,9 @@ def _reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _run_all(rank: int, world: int, seed: int, cp: int | None) -> dict:
+def _run_all(rank: int, world: int, seed: int, cp: int | None, cases=tuple(CASES)) -> dict:
     _reset_accelerate()
-    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), grad_accum=case[2]) for case in CASES}
+    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), grad_accum=case[2]) for case in cases}
 
 
 def _close(got: float, want: float, tol: float) -> bool:
@@ -38,8 +38,19 @@ def test_trainer_at_cp_2_and_4_equals_one_process():
     seed = random.randrange(1 << 20)
     reference = run_distributed(_run_all, 1, seed, None, timeout=300, init_pg=False)[0]
     for cp in (2, 4):
-        results = run_distributed(_run_all, cp, seed, cp, timeout=300)
-        for case, want in reference.items():
+        _assert_same_run(run_distributed(_run_all, cp, seed, cp, timeout=300), reference, cp, seed)
+
+
+def test_trainer_at_dp_2_cp_2_equals_dp_2():
+    """4 processes, a plan naming cp 2 only: dp = 2 from the launch; the stock Trainer on 2 processes
+    (DDP over dp alone) is the reference, its batches split over the same 2 dp ranks."""
+    seed, cases = random.randrange(1 << 20), (("llama", True, 2),)
+    reference = run_distributed(_run_all, 2, seed, None, cases, timeout=300)
+    _assert_same_run(run_distributed(_run_all, 4, seed, 2, cases, timeout=300), reference[0], 2, seed)
+
+
+def _assert_same_run(results: list[dict], reference: dict, cp: int, seed: int) -> None:
+    for case, want in reference.items():
             for rank, got in enumerate(results):
                 where = f"{case} at cp={cp} (rank {rank}, seed {seed})"
                 assert len(got[case]["loss"]) == len(want["loss"]) == 5, where
