@@ -122,6 +122,9 @@ class ContextParallelMixin:
                                          or self.preprocess_logits_for_metrics is not None):
             raise CPConfigError("cpcompile.integrations.transformers: under CP each rank holds a slice of the "
                                 "logits; evaluation computes the loss only (compute_metrics is not supported)")
+        if not any(inputs.get(name) is not None for name in self.label_names):
+            # without labels the Trainer would run the model on the unsharded batch, for logits only
+            return None, None, None
         return super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
 
     def _local_batch(self, inputs: dict, num_items_in_batch) -> dict:

@@ -13,7 +13,8 @@ from cp_harness import VOCAB, tiny_llama
 from gdn_harness import CHUNK, tiny_qwen3_5, use_reference_gdn
 
 STEPS = 5
-LENGTH = 32  # at CP=4 under Head-Tail: chunks of 4 tokens, not shorter than the GDN conv halo (3)
+LENGTH = 30  # not a multiple of 2 cp: CP right-pads every batch to 32 (at CP=4 under Head-Tail: chunks of 4
+# tokens, not shorter than the GDN conv halo of 3)
 DOCUMENTS = 3
 PLAN_LENGTH = 32768  # the plan is suggested for long sequences: Head-Tail / P2P in Head-Tail order at CP>1
 
@@ -55,7 +56,7 @@ def examples(seed: int, count: int, packed: bool) -> list[dict]:
     if packed:
         lengths = []
         for _ in range(count // DOCUMENTS):
-            cuts = sorted(torch.randperm(LENGTH // 4 - 1, generator=gen)[:DOCUMENTS - 1].add(1).mul(4).tolist())
+            cuts = sorted(torch.randperm(LENGTH // 5 - 1, generator=gen)[:DOCUMENTS - 1].add(1).mul(5).tolist())
             lengths += [b - a for a, b in zip([0, *cuts], [*cuts, LENGTH])]
     else:
         lengths = torch.randint(LENGTH // 2, LENGTH + 1, (count,), generator=gen).tolist()
