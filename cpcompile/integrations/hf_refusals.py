@@ -79,9 +79,12 @@ def _refuse_loss_paths(trainer: Any, args: Any) -> None:
                             "(num_items_in_batch, shift_labels), which CP needs to compute each rank's share")
 
 
-def packing_is_on(args: Any) -> bool:
-    """TRL's `SFTConfig(packing=True)` or `padding_free=True`: every batch must carry its documents."""
-    return bool(getattr(args, "packing", False) or getattr(args, "padding_free", False))
+def packing_is_on(trainer: Any) -> bool:
+    """TRL's `SFTConfig(packing=True)` or `padding_free=True` (its SFTTrainer keeps the outcome as
+    `trainer.padding_free`): every batch must carry its documents."""
+    args = trainer.args
+    return bool(getattr(args, "packing", False) or getattr(args, "padding_free", False)
+                or getattr(trainer, "padding_free", False))
 
 
 def refuse_packing_without_positions(batch: Any) -> None:

@@ -71,7 +71,7 @@ def context_parallel(trainer: Any, plan: Any, *, dump_dir: str | None = None) ->
     cp = plan.cp_size
     # cpcompile's mesh is (pp, dp_replicate, dp_shard, cp, tp) with pp = tp = 1 here: cp is inner
     dp_rank = (dist.get_rank() if dist.is_initialized() else 0) // cp
-    trainer._cp = CPSetup(plan, mesh, world // cp, dp_rank, _pad_token_id(trainer), packing_is_on(trainer.args))
+    trainer._cp = CPSetup(plan, mesh, world // cp, dp_rank, _pad_token_id(trainer), packing_is_on(trainer))
     trainer._cp_dump_dir = dump_dir
     if not isinstance(trainer, ContextParallelMixin):
         trainer.__class__ = _with_mixin(type(trainer))
