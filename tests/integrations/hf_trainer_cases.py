@@ -79,8 +79,10 @@ def pad_collator(features: list[dict]) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, grad_accum: int = 1) -> dict:
-    """Train `STEPS` steps and evaluate once; `cp=None`: the plain Trainer (no cpcompile at all)."""
+def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, grad_accum: int = 1,
+             average_tokens: bool = True) -> dict:
+    """Train `STEPS` steps and evaluate once; `cp=None`: the plain Trainer (no cpcompile at all).
+    `average_tokens`: TrainingArguments.average_tokens_across_devices."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     start = time.perf_counter()
@@ -93,7 +95,7 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
         output_dir=out_dir, use_cpu=True, per_device_train_batch_size=per_batch, per_device_eval_batch_size=per_batch,
         gradient_accumulation_steps=grad_accum, max_steps=STEPS, optim="sgd", learning_rate=0.5, lr_scheduler_type="constant",
         train_sampling_strategy="sequential", logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
-        seed=seed, dataloader_drop_last=True)
+        seed=seed, dataloader_drop_last=True, average_tokens_across_devices=average_tokens)
     trainer = Trainer(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
                       data_collator=DataCollatorWithFlattening() if packed else pad_collator)
     if cp is not None:

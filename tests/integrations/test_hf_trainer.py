@@ -14,7 +14,7 @@ from hf_trainer_cases import fresh_out_dir, run_case
 
 pytest.importorskip("accelerate")
 
-# (model, packed, gradient accumulation steps)
+# (model, packed, gradient accumulation steps[, average_tokens_across_devices])
 CASES = [("llama", False, 1), ("llama", True, 2), ("qwen3_5", False, 2), ("qwen3_5", True, 1)]
 
 
@@ -27,7 +27,7 @@ def _reset_accelerate() -> None:
 
 def _run_all(rank: int, world: int, seed: int, cp: int | None, cases=tuple(CASES)) -> dict:
     _reset_accelerate()
-    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), grad_accum=case[2]) for case in cases}
+    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), *case[2:]) for case in cases}
 
 
 def _close(got: float, want: float, tol: float) -> bool:
@@ -43,8 +43,9 @@ def test_trainer_at_cp_2_and_4_equals_one_process():
 
 def test_trainer_at_dp_2_cp_2_equals_dp_2():
     """4 processes, a plan naming cp 2 only: dp = 2 from the launch; the stock Trainer on 2 processes
-    (DDP over dp alone) is the reference, its batches split over the same 2 dp ranks."""
-    seed, cases = random.randrange(1 << 20), (("llama", True, 2),)
+    (DDP over dp alone) is the reference, its batches split over the same 2 dp ranks. Also with
+    average_tokens_across_devices off (each dp rank's own mean, averaged)."""
+    seed, cases = random.randrange(1 << 20), (("llama", True, 2), ("llama", False, 1, False))
     reference = run_distributed(_run_all, 2, seed, None, cases, timeout=300)
     _assert_same_run(run_distributed(_run_all, 4, seed, 2, cases, timeout=300), reference[0], 2, seed)
 
