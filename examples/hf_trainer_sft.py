@@ -7,8 +7,9 @@ ids restarting at 0 at each document) plus the two lines that give it context pa
 Without `--plan` the script writes cpcompile's suggestion for this model (`cpcompile.suggest_plan`,
 what `cpcompile plan` prints) to OUTPUT_DIR/plan.yaml first and trains with it: read it, keep it,
 pass it with `--plan` next time. The model is a tiny Qwen3.5 (3 GDN layers, 1 attention layer)
-built from its config, so this runs on CPU; on GPUs drop `--cpu` (the plan then uses the Triton
-GDN kernels). docs/hf_trainer.md says what the two lines do and what they refuse.
+built from its config, so this runs on CPU (`--cpu`, the default without CUDA: gloo, and the eager
+GDN kernels in the suggested plan; on GPUs: NCCL and the Triton ones). docs/hf_trainer.md says what
+the two lines do and what they refuse.
 """
 from __future__ import annotations
 
