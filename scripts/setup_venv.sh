@@ -20,5 +20,5 @@ rm -f "$stamp"
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null
 # torch first and pinned to a CPU-capable release; any torch>=2.11 works with cpcompile.
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[test,triton,train]"
+.venv/bin/python -m pip install -q -e ".[test,triton,train,hf]"
 echo "$want" > "$stamp"

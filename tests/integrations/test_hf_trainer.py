@@ -1,0 +1,64 @@
+"""Issue 52 items 2-3: a stock Hugging Face `Trainer` at cp 2 and cp 4 (`context_parallel`, gloo)
+equals the same Trainer in one process, step by step: loss within 1e-5 relative over 5 steps,
+gradient norm, eval loss, token count, and a checkpoint `from_pretrained` reads back; tiny Llama
+and tiny Qwen3.5, padded and packed (DataCollatorWithFlattening) batches, gradient accumulation.
+One launch per world size runs every case."""
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from dist_utils import run_distributed
+from hf_trainer_cases import fresh_out_dir, run_case
+
+pytest.importorskip("accelerate")
+
+# (model, packed, gradient accumulation steps[, average_tokens_across_devices])
+CASES = [("llama", False, 1), ("llama", True, 2), ("qwen3_5", False, 2), ("qwen3_5", True, 1)]
+
+
+def _reset_accelerate() -> None:
+    # a forked rank must not inherit a parent's accelerate state (it would think it is alone)
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def _run_all(rank: int, world: int, seed: int, cp: int | None, cases=tuple(CASES)) -> dict:
+    _reset_accelerate()
+    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), *case[2:]) for case in cases}
+
+
+def _close(got: float, want: float, tol: float) -> bool:
+    return abs(got - want) <= tol * abs(want)
+
+
+def test_trainer_at_cp_2_and_4_equals_one_process():
+    seed = random.randrange(1 << 20)
+    reference = run_distributed(_run_all, 1, seed, None, timeout=300, init_pg=False)[0]
+    for cp in (2, 4):
+        _assert_same_run(run_distributed(_run_all, cp, seed, cp, timeout=300), reference, cp, seed)
+
+
+def test_trainer_at_dp_2_cp_2_equals_dp_2():
+    """4 processes, a plan naming cp 2 only: dp = 2 from the launch; the stock Trainer on 2 processes
+    (DDP over dp alone) is the reference, its batches split over the same 2 dp ranks. Also with
+    average_tokens_across_devices off (each dp rank's own mean, averaged)."""
+    seed, cases = random.randrange(1 << 20), (("llama", True, 2), ("llama", False, 1, False))
+    reference = run_distributed(_run_all, 2, seed, None, cases, timeout=300)
+    _assert_same_run(run_distributed(_run_all, 4, seed, 2, cases, timeout=300), reference[0], 2, seed)
+
+
+def _assert_same_run(results: list[dict], reference: dict, cp: int, seed: int) -> None:
+    for case, want in reference.items():
+            for rank, got in enumerate(results):
+                where = f"{case} at cp={cp} (rank {rank}, seed {seed})"
+                assert len(got[case]["loss"]) == len(want["loss"]) == 5, where
+                for step, (g, w) in enumerate(zip(got[case]["loss"], want["loss"])):
+                    assert _close(g, w, 1e-5), f"{where}: step {step} loss {g} vs {w}"
+                for step, (g, w) in enumerate(zip(got[case]["grad_norm"], want["grad_norm"])):
+                    assert _close(g, w, 1e-4), f"{where}: step {step} grad norm {g} vs {w}"
+                assert _close(got[case]["eval_loss"], want["eval_loss"], 1e-5), where
+                assert got[case]["tokens"] == want["tokens"], where
+            assert results[0][case]["saved"] == 0.0, f"{case} at cp={cp}: saved checkpoint differs"

@@ -1,0 +1,71 @@
+"""Issue 52 item 2: what the Trainer integration refuses, one test per rule, each asserting the
+one-line error names its cause. Each runs in one forked process (no process group of the test
+session, no accelerate state left behind)."""
+from __future__ import annotations
+
+import pytest
+
+from dist_utils import run_distributed
+from hf_trainer_cases import fresh_out_dir, pad_collator
+
+pytest.importorskip("accelerate")
+
+
+def _trainer(**extra_args):
+    from accelerate.state import AcceleratorState
+    from transformers import Trainer, TrainingArguments
+
+    from cp_harness import tiny_llama
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    args = TrainingArguments(output_dir=fresh_out_dir(), use_cpu=True, report_to=[], max_steps=1, **extra_args)
+    return Trainer(model=tiny_llama(0), args=args, train_dataset=[], data_collator=pad_collator)
+
+
+def _plan(cp: int) -> dict:
+    from cp_harness import sdpa_plan
+
+    return sdpa_plan(cp)
+
+
+def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
+    """(exception class name, message) of what `context_parallel` (or the first step) raised."""
+    from cpcompile.integrations.transformers import context_parallel
+
+    trainer, cp = _trainer(), 2
+    if rule == "deepspeed":
+        trainer.args.deepspeed = "ds_zero3.json"  # set after init: DeepSpeed itself need not be installed
+    elif rule == "parallelism_config":
+        from accelerate.parallelism_config import ParallelismConfig
+
+        trainer.args.parallelism_config = ParallelismConfig(cp_size=2)
+    elif rule == "fsdp":
+        trainer.args.fsdp = "full_shard"
+    elif rule == "packing_without_positions":
+        trainer.args.padding_free = True  # TRL's SFTConfig field
+        cp = 1
+    try:
+        trainer = context_parallel(trainer, plan=_plan(cp))
+        if rule == "packing_without_positions":
+            import torch
+
+            batch = {"input_ids": torch.randint(1, 96, (1, 16)), "labels": torch.randint(1, 96, (1, 16))}
+            trainer.compute_loss(trainer.model, batch)
+    except Exception as exc:  # noqa: BLE001 - the test judges it
+        return type(exc).__name__, str(exc)
+    return "nothing", ""
+
+
+@pytest.mark.parametrize("rule, error, words", [
+    ("deepspeed", "CPConfigError", ("DeepSpeed", "args.deepspeed")),
+    ("parallelism_config", "CPConfigError", ("parallelism_config", "cp_size")),
+    ("fsdp", "CPConfigError", ("FSDP",)),
+    ("packing_without_positions", "CPInputError", ("packing", "position_ids")),
+    ("world_not_divisible", "CPConfigError", ("world size 1", "not divisible", "cp_size=2")),
+])
+def test_refused_with_its_cause(rule, error, words):
+    name, message = run_distributed(_refusal, 1, rule, init_pg=False)[0]
+    assert name == error, (rule, name, message)
+    assert "\n" not in message, message
+    for word in words:
+        assert word in message, (rule, message)
