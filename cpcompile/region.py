@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -148,6 +149,29 @@ class RetracePolicy:
             )
 
 
+# Runnable graphs by what they compute (`graph_identity`), shared by the regions whose graphs are
+# alike: the layers of one kind (their parameters are inputs), so that `torch.compile` meets one
+# graph object, not one a layer (Dynamo guards on its class, and fx makes a class per graph).
+_RUNNABLES: "weakref.WeakValueDictionary[tuple, fx.GraphModule]" = weakref.WeakValueDictionary()
+
+
+def graph_identity(gm: fx.GraphModule) -> tuple | None:
+    """What a graph computes from its inputs: its code and the objects the code's names stand for;
+    None for a graph reading attributes or submodules of its own (those may differ between alike code)."""
+    if any(node.op in ("get_attr", "call_module") for node in gm.graph.nodes):
+        return None
+    code = gm.graph.python_code(root_module="self")
+    return code.src, tuple(sorted((name, id(value)) for name, value in code.globals.items()))
+
+
+def shared_runnable(gm: fx.GraphModule) -> fx.GraphModule:
+    """The runnable graph alike to `gm` made before (by any region), else `gm`, kept for the next."""
+    identity = graph_identity(gm)
+    if identity is None:
+        return gm
+    return _RUNNABLES.setdefault(identity, gm)
+
+
 @dataclass
 class RegionProgram:
     """A rewritten graph plus what it takes to call it with the live module's state.
@@ -172,7 +196,7 @@ class RegionProgram:
     def __setattr__(self, name: str, value: Any) -> None:
         super().__setattr__(name, value)
         if name == "gm":
-            super().__setattr__("runnable", runnable_graph(value))
+            super().__setattr__("runnable", shared_runnable(runnable_graph(value)))
 
     @classmethod
     def from_export(cls, ep: torch.export.ExportedProgram, module: nn.Module, fqn: str = "",

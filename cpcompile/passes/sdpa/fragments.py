@@ -193,7 +193,7 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
                    "or documents; nothing S_q x S_kv")
     query, key, value, value_size = equal_head_sizes(emit, ctx, query, key, value)
     output = emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
-                       masked_kernel, query_positions, fake=local_attention_fake)
+                       masked_kernel, query_positions, ctx.unmasked, fake=local_attention_fake)
     if val(output).shape[-1] != value_size:
         output = emit(aten.slice.Tensor, output, 3, 0, value_size)
     return output
