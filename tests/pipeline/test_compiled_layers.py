@@ -199,8 +199,8 @@ def _check(result: dict) -> None:
 
 
 class _PerLayerCallable:
-    """An object in a submodule's `forward`, as `InstalledRegion` is: Dynamo guards on it, so each
-    layer is a compiled entry of its own."""
+    """An object in a submodule's `forward` (as `InstalledRegion` was; it is a bound method now): Dynamo
+    guards on its identity, so each layer is a compiled entry of its own."""
 
     def __init__(self, scale: float):
         self.scale = scale
