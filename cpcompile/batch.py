@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from .documents import (
-    GLOBAL_POSITIONS, TOKEN_ORDER, end_documents, is_packed, mark_packed, per_document_head_tail,
-    positions_from_cu_seq_lens,
+    GLOBAL_POSITIONS, TOKEN_ORDER, end_documents, is_packed, mark_packed, mark_unmasked, per_document_head_tail,
+    positions_from_cu_seq_lens, unmasked_keys,
 )
 from .batch_fields import PASSTHROUGH_KEYS, SEQ_DIM, check_field_shapes, check_keys, check_token_dtypes, sequence_shape
 from .errors import CPConfigError, CPInputError
@@ -221,6 +221,7 @@ def shard_batch(
     if index is not None:
         mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
         mark_packed(local["position_ids"], packed)
+        mark_unmasked(local["position_ids"], unmasked_keys(fields["position_ids"], fields.get("attention_mask")))
     if order is not None:
         setattr(local["position_ids"], GLOBAL_POSITIONS, index.to(main.device))
         setattr(local["position_ids"], TOKEN_ORDER, order)

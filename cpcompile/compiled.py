@@ -20,12 +20,13 @@ is a graph of its own, on every rank (`InstalledRegion` logs that once). Static 
 region keeps one graph per shape anyway, and symbolic sizes cannot key its lookup.
 
 Dynamo keeps its compiled code per code object, and every decoder layer's forward is the same
-code. Without regions the layers share one entry; a layer holding regions is guarded on its own
-region objects, so each layer is an entry of its own, and past `recompile_limit` entries (8 by
-default) Dynamo runs the code eagerly with only a warning: a 20-layer CP model compiled 8 layers.
-So each function compiled here, and each region (where it is a graph of its own, its `_run` is
-one code object too), brings Dynamo's default share of entries to the limit
-(`add_code_entry`, `room_for_every_entry`).
+code. The layers of one kind share one entry, regions included: a region is a bound method in the
+module's `forward` (an object there would be guarded on its identity) and alike regions run one
+graph object (`region.shared_runnable`). Each new input signature or kind adds entries, and past
+`recompile_limit` entries (8 by default) Dynamo runs the code eagerly with only a warning (before
+the layers shared their entry, a 20-layer CP model compiled 8 layers). So each function compiled
+here, and each region (where it is a graph of its own, its `_run` is one code object too), brings
+Dynamo's default share of entries to the limit (`add_code_entry`, `room_for_every_entry`).
 """
 from __future__ import annotations
 

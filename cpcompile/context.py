@@ -62,6 +62,8 @@ class PassContext:
     example_inputs: list[Any] = field(default_factory=list)
     # ops of the model that read the local sequence length (audit/local_length.py), for local_length_pass
     length_reads: list[Any] = field(default_factory=list)
+    # whether the batch's keys are all real and of one document a row (`documents.unmasked_keys`); None: unknown
+    unmasked: bool | None = None
     collectives: list[CollectiveRecord] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     cores: list[Any] = field(default_factory=list)  # the method's matches (`find_cores_pass`)

@@ -27,11 +27,35 @@ GLOBAL_POSITIONS = "_cpcompile_global_positions"
 TOKEN_ORDER = "_cpcompile_token_order"  # beside it: every rank's, `[1 or B, S]` rank-major (for `unshard`)
 QUERY_POSITIONS = "cp_query_positions"  # the call argument that hands the former to a Head-Tail SDPA region
 DOCUMENTS_KWARG = "cp_document_positions"  # what `DocumentFeed.hand_to_layer` adds to a layer's call
+# set by `shard_batch` on the local position ids: whether every key of the global batch is real and of one
+# document a row (True), not (False), or unknown (absent); handed down to a layer's call as `cp_unmasked`
+UNMASKED_MARK = "_cpcompile_unmasked"
+UNMASKED_KWARG = "cp_unmasked"
 
 
 def mark_packed(position_ids: torch.Tensor, packed: bool) -> None:
     """Record on the local position ids whether the global batch holds packed documents."""
     setattr(position_ids, PACKED_MARK, packed)
+
+
+def mark_unmasked(position_ids: torch.Tensor, unmasked: bool | None) -> None:
+    """Record on the local position ids whether no key of the global batch is masked beyond causality
+    (`unmasked_keys`), so that the attention regions choose their kernel without looking at the keys
+    (`kernels/attention/local.py`): a read-back at every attention layer, and a graph break under
+    `torch.compile`. None records nothing (unknown: the regions look)."""
+    if unmasked is not None:
+        setattr(position_ids, UNMASKED_MARK, unmasked)
+
+
+def unmasked_keys(position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool | None:
+    """Whether every key of the global batch is real and of the row's one document: no zero in the 2-D
+    padding `mask`, and `[B, S]` position ids counting 0, 1, ... (the CP rewrites' document of a token
+    starts at its global position minus its position id). None for other position ids (multimodal
+    `[n, B, S]`): the regions then read the keys themselves. One read-back, on the global batch."""
+    if position_ids.dim() != 2:
+        return None
+    counting = torch.arange(position_ids.shape[-1], device=position_ids.device)
+    return bool((position_ids == counting).all()) and (mask is None or bool(mask.bool().all()))
 
 
 class DocumentFeed:
@@ -52,22 +76,25 @@ class DocumentFeed:
         self.marked_only = marked_only
         self.positions: torch.Tensor | None = None
         self.global_positions: torch.Tensor | None = None
+        self.unmasked: bool | None = None  # the call's `UNMASKED_MARK` (None: unknown)
 
     def update(self, position_ids: torch.Tensor | None) -> None:
         packed = position_ids is not None and (not self.marked_only or getattr(position_ids, PACKED_MARK, False))
         self.positions = position_ids if packed else None
         self.global_positions = getattr(position_ids, GLOBAL_POSITIONS, None) if packed else None
+        self.unmasked = getattr(position_ids, UNMASKED_MARK, None)
 
     def hand_to_layer(self, _module, args, kwargs):
-        """Forward pre-hook of a layer around GDN regions: its call gets this model call's packed
-        position ids as one more keyword, `cp_document_positions`, which a Hugging Face decoder layer
-        passes on to its GDN layer with its other keywords.
+        """Forward pre-hook of a layer around GDN or attention regions: its call gets this model call's
+        packed position ids as one more keyword, `cp_document_positions`, and whether its keys are
+        unmasked, `cp_unmasked` (a plain bool: under `torch.compile` a constant of the layer's graph),
+        which a Hugging Face decoder layer passes on to its GDN or attention layer with its other keywords.
 
         Why not the feed itself: activation checkpointing replays a layer's forward in the backward
         with the arguments the forward saved, by when the model may have run another batch, whose
         documents the feed then holds. A keyword of the layer's call is saved with the others.
         """
-        return args, {**kwargs, DOCUMENTS_KWARG: self.positions}
+        return args, {**kwargs, DOCUMENTS_KWARG: self.positions, UNMASKED_KWARG: self.unmasked}
 
     def follow(self, model: torch.nn.Module) -> "DocumentFeed":
         """Update from the `position_ids` keyword of every call of `model` (a forward pre-hook)."""

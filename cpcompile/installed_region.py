@@ -24,7 +24,7 @@ from .audit.local_length import find_local_length_reads
 from .capture import trace_region
 from .compiled import add_code_entry, regions_inlined, room_for_every_entry
 from .context import DeclaredAttention, PassContext
-from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, DocumentFeed
+from .documents import DOCUMENTS_KWARG, QUERY_POSITIONS, UNMASKED_KWARG, DocumentFeed
 from .dump import Dump
 from .errors import CPInputError
 from .finite import FiniteGuard, check_finite_enabled
@@ -156,6 +156,8 @@ class InstalledRegion:
         # a Head-Tail SDPA region reads a batch cut per document off its own call (adapters/sdpa.py)
         self.reads_documents = getattr(self.region, "reads_documents", False)
         self.reads_global_positions = getattr(self.region, "reads_global_positions", False)
+        # an attention region takes whether the batch's keys are unmasked as a call argument, which keys its graph
+        self.reads_unmasked = getattr(self.region, "reads_unmasked", False)
         self.documents = documents or DocumentFeed()
         self.declared = declared_attention(self.region, target)
         self.mesh = mesh
@@ -177,13 +179,16 @@ class InstalledRegion:
 
     def install(self) -> None:
         module = self.target.module
-        module.forward = self
+        # a bound method, not the object: Dynamo guards a callable object in `forward` on its identity (every
+        # layer would compile apart), a bound method on its function and on what the call reads through `self`
+        module.forward = self.__call__
         setattr(module, MARKER, {"fqn": self.target.fqn, "method": self.target.override.method.describe()})
 
     def _prepare(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         kwargs = dict(kwargs)
         handed = DOCUMENTS_KWARG in kwargs  # a handed None means one document per row
         positions = kwargs.pop(DOCUMENTS_KWARG, None)
+        unmasked = kwargs.pop(UNMASKED_KWARG) if UNMASKED_KWARG in kwargs else self.documents.unmasked
         args, kwargs = self.region.prepare_call(self.target.fqn, args, kwargs)
         if self.reads_documents:
             # whether the last call's documents came down from its layer (else: the feed's, the latest call's);
@@ -191,6 +196,8 @@ class InstalledRegion:
             if not torch.compiler.is_compiling():
                 self.documents_handed = handed
             kwargs = {**kwargs, "document_positions": positions if handed else self.documents.positions}
+        if self.reads_unmasked:
+            kwargs = {**kwargs, UNMASKED_KWARG: unmasked}
         if self.reads_global_positions and kwargs.get(QUERY_POSITIONS) is None \
                 and self.documents.global_positions is not None and torch._C._current_graph_task_id() == -1:
             raise CPInputError(
@@ -316,6 +323,7 @@ class InstalledRegion:
             declared=self.declared,
             tp_size=tp_size(self.tp_linears),
             example_inputs=program.flat_inputs(leaves),
+            unmasked=kwargs.get(UNMASKED_KWARG),
         )
         variant = self.traces - 1
         observer = self.dump.pass_observer(target.fqn, variant) if self.dump else None

@@ -172,7 +172,8 @@ def install(model: nn.Module, mesh, resolved: ResolvedPlan, regions: Regions) ->
     reads_batch_marks = any(installed.reads_documents or installed.reads_global_positions for installed in installs)
     guard = LayoutGuard(mesh.cp_size, mesh.cp_rank, resolved.layout, every_call=reads_batch_marks)
     install_layout_guard(model, guard, regions.documents)
-    hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents], regions.documents)
+    hand_documents_to_layers(model, [i.target.fqn for i in installs if i.reads_documents or i.reads_unmasked],
+                             regions.documents)
 
 
 def parameters_for_compile(model: nn.Module, example: Any):
@@ -184,9 +185,9 @@ def parameters_for_compile(model: nn.Module, example: Any):
 
 
 def hand_documents_to_layers(model: nn.Module, fqns: list[str], documents: DocumentFeed) -> None:
-    """Have the layers around regions that read the document feed (GDN) pass each call's documents
-    down as a keyword (`DocumentFeed.hand_to_layer`), so that a checkpointed layer's replay reads the
-    documents of its own forward. Only layers whose forward takes `**kwargs` (Hugging Face decoder
+    """Have the layers around regions that read the document feed (GDN, attention) pass each call's
+    documents down as keywords (`DocumentFeed.hand_to_layer`), so that a checkpointed layer's replay
+    reads the documents of its own forward. Only layers whose forward takes `**kwargs` (Hugging Face decoder
     layers) can; a region called without the keyword reads the feed."""
     for name in sorted({fqn.rpartition(".")[0] for fqn in fqns if "." in fqn}):
         layer = model.get_submodule(name)

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
 from ..kernels.gdn.conv import causal_conv, conv_taps
+from ..kernels.gdn.layout import contiguous_when_compiled
 from ..kernels.gdn.layer_ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
 from ..passes.gdn import all_gather, all_gather_head_tail, p2p, p2p_head_tail, ulysses
@@ -161,13 +162,7 @@ def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mas
     query = l2norm(query.reshape(batch, length, -1, key_dim).float())
     key = l2norm(key.reshape(batch, length, -1, key_dim).float())
     value = value.reshape(batch, length, -1, value_dim)
-    if torch.compiler.is_dynamo_compiling():
-        # q, k and v are token-strided views of the conv's [B, C, T] output, and the core's kernels
-        # copy them to [B, T, H, D] first (after casting q and k to v's dtype, eagerly the cheaper
-        # copy). Compiled, the fused kernels that make them write that layout themselves; inductor
-        # would otherwise reproduce the eager strides for the custom op (a transposing copy each,
-        # in the forward, the replay and the backward).
-        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+    query, key, value = (contiguous_when_compiled(x) for x in (query, key, value))  # kernels/gdn/layout.py
     beta = b.sigmoid()
     g = -layer.A_log.float().exp() * F.softplus(a.float() + layer.dt_bias)
     return query, key, value, g, beta, z, starts

@@ -11,7 +11,7 @@ from typing import Any
 from torch import nn
 
 from ..context import DeclaredAttention
-from ..documents import GLOBAL_POSITIONS, QUERY_POSITIONS
+from ..documents import GLOBAL_POSITIONS, QUERY_POSITIONS, UNMASKED_KWARG
 from ..errors import CPInputError
 from ..methods import HEAD_TAIL, AdapterSpec, register_adapter
 
@@ -30,6 +30,9 @@ class SdpaRegion:
 
     # the module's own code runs in the region: audit it for ops reading the local length (audit/local_length.py)
     audits_local_length = True
+    # takes `cp_unmasked` (`documents.unmasked_keys`): its rewrite picks the attention kernel by it, the module
+    # never sees it
+    reads_unmasked = True
 
     def __init__(self, per_document: bool = False):
         self.reads_global_positions = per_document
@@ -48,6 +51,7 @@ class SdpaRegion:
 
     def forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         kwargs.pop(QUERY_POSITIONS, None)
+        kwargs.pop(UNMASKED_KWARG, None)
         # the class's forward: the instance's may already be cpcompile's replacement
         return type(module).forward(module, *args, **kwargs)
 

@@ -138,7 +138,7 @@ def _structure(rank: int, world: int) -> dict:
 
 
 def _program(layer):
-    (program,) = layer.self_attn.forward.programs.values()
+    (program,) = layer.self_attn.forward.__self__.programs.values()
     return program
 
 

@@ -277,6 +277,22 @@ def test_gdn_plans_take_packed_documents_and_mark_them(backend):
     assert packed["position_ids"]._cpcompile_packed and not plain["position_ids"]._cpcompile_packed
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_every_rank_is_told_whether_the_global_batch_masks_any_key(layout):
+    """One fact of the global batch, alike on every rank (issue 48): unmasked only when no key is padded
+    anywhere and each row is one document counting from 0; a rank with no padding of its own is told
+    the other's. The attention regions pick their kernel by it without reading the keys back."""
+    def told(batch, **kw):
+        return {shard_batch(batch, _mesh(2, r), _plan(layout, 2), **kw)["position_ids"]._cpcompile_unmasked
+                for r in range(2)}
+
+    assert told(_batch(2, 12)) == told(_batch(2, 12, mask_pad=0) | {"attention_mask": torch.ones(2, 12)}) == {True}
+    assert told(_batch(2, 12, mask_pad=2)) == {False}  # row 0's last tokens: on the last rank only
+    assert told({**_batch(1, 12), "position_ids": torch.tensor(PACKED)}) == {False}
+    assert told(_batch(2, 11) | {"attention_mask": torch.ones(2, 11)}, pad=True) == {False}  # padded by shard_batch
+    assert told({**_batch(1, 12), "position_ids": torch.arange(3, 15)[None]}) == {False}  # a document not from 0
+
+
 def test_harmless_flags_pass_through():
     batch = _batch(1, 8)
     batch.update(use_cache=False, past_key_values=None, return_dict=True, output_hidden_states=False)

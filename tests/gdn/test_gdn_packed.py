@@ -165,7 +165,7 @@ def _interleaved_under_checkpointing(rank: int, world: int, seed: int) -> dict:
     locals_ = [cpcompile.shard_batch(b, mesh, plan) for b in (first, second)]
     model = cpcompile.compile(make(), mesh, plan, example_inputs=locals_[0])
     result = two_forwards_one_backward(model, mesh, locals_, reference, want)
-    return dict(result, handed=all(layer.linear_attn.forward.documents_handed for layer in model.model.layers[:3]))
+    return dict(result, handed=all(layer.linear_attn.forward.__self__.documents_handed for layer in model.model.layers[:3]))
 
 
 def test_checkpoint_recompute_resets_at_its_own_batch_documents():

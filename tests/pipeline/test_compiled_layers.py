@@ -1,12 +1,12 @@
-"""`torch.compile` of checkpointed decoder layers holding CP regions: one graph per layer, no break.
+"""`torch.compile` of checkpointed decoder layers holding CP regions: one graph per layer kind, no break.
 
 A tiny Qwen3.5 (3 GDN layers under State-P2P, 1 attention layer under SDPA AllGather, sync and
 async; and both in Head-Tail order) at CP=2 on gloo, fp32, every decoder layer under non-reentrant
 activation checkpointing and compiled on its own (the trainer's `apply_activation_checkpointing` and
 `compile_layers`, backend aot_eager): its logits, loss and every parameter gradient equal the eager
 CP run's and the CP=1 reference's, Dynamo captured each layer, its checkpoint and its region's
-collectives in one graph, with no graph break, and the async region's launches stay apart from
-their waits in that graph.
+collectives in one graph, with no graph break, the layers of one kind (the 3 GDN layers) sharing
+it, and the async region's launches stay apart from their waits in that graph.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ LOCAL_LEN = 12  # GDN chunk 8: a full chunk and a partial one per rank
 # Sync AllGather beside contiguous State-P2P compiles in tests/train/test_trainer_compile.py.
 PLANS = {"async": ("p2p", {"_target_": "cpcompile.wrappers.sdpa_hf_async_cp_wrapper"}),
          "head_tail": ("p2p_head_tail", {"_target_": "cpcompile.wrappers.sdpa_hf_load_balance_cp_wrapper"})}
-LAYERS = 4  # tiny_qwen3_5: 3 GDN layers, then an attention layer
+LAYER_KINDS = 2  # tiny_qwen3_5: 3 GDN layers, then an attention layer; Dynamo shares a kind's compiled code
 # The first call of a new signature runs eagerly (the regions trace their graphs), the second is
 # compiled, the third must reuse the compiled graphs: no recompile, no break.
 STEPS = 3
@@ -170,7 +170,7 @@ def test_checkpointed_layers_with_cp_regions_compile_whole_and_exact():
     """Compiled = eager CP and = the CP=1 reference within 1e-5 except the GDN decay parameters'
     gradients (fp32 sums of cancelling terms, moved by the compiled conv's other rounding), which
     must be as close to a float64 run as the reference is. Dynamo: no graph break, nothing unsupported, one graph per
-    layer, each a checkpoint holding its region's collectives, none compiled again in the third step,
+    layer kind (the GDN layers share theirs), each a checkpoint holding its region's collectives, none compiled again in the third step,
     no convolution (the GDN conv inlined as its taps); the async attention layer's graph keeps compute
     between launches and their waits, the sync one's none."""
     for per_method in run_distributed(_compiled_vs_eager_per_plan, 2, random.randrange(1 << 30), timeout=300):
@@ -181,7 +181,7 @@ def test_checkpointed_layers_with_cp_regions_compile_whole_and_exact():
 
 def _check(result: dict) -> None:
     assert result["graph_breaks"] == {} and result["unsupported"] == 0, result
-    assert result["graphs"] == result["frames"] == LAYERS, result
+    assert result["graphs"] == result["frames"] == LAYER_KINDS, result
     assert result["checkpointed"] and min(result["collectives_per_graph"]) > 0, result
     assert result["convolutions"] == 0, result  # the GDN regions' conv inlined as its taps (kernels/gdn/conv.py)
     for name in ("compiled_vs_eager", "first_vs_eager", "again_vs_compiled"):
@@ -199,8 +199,8 @@ def _check(result: dict) -> None:
 
 
 class _PerLayerCallable:
-    """An object in a submodule's `forward`, as `InstalledRegion` is: Dynamo guards on it, so each
-    layer is a compiled entry of its own."""
+    """An object in a submodule's `forward` (as `InstalledRegion` was; it is a bound method now): Dynamo
+    guards on its identity, so each layer is a compiled entry of its own."""
 
     def __init__(self, scale: float):
         self.scale = scale

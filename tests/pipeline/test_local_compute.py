@@ -68,7 +68,7 @@ def _sdpa_core(rank: int, world: int, seed: int) -> dict:
     local = tuple(t.chunk(world, dim=2)[rank].contiguous() for t in (q, k, v))
     holder = cpcompile.compile(QKVHolder(), mesh, plan, example_inputs=local)
     got = holder(*local)
-    sdpa_calls = [n for n in next(iter(holder.core.forward.programs.values())).gm.graph.nodes
+    sdpa_calls = [n for n in next(iter(holder.core.forward.__self__.programs.values())).gm.graph.nodes
                   if "scaled_dot_product" in str(n.target)]
     return {"error": (got - want.chunk(world, dim=2)[rank]).abs().max().item(), "sdpa_calls": len(sdpa_calls)}
 

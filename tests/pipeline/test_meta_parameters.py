@@ -59,7 +59,7 @@ def _rewrite(model) -> list:
         mark = getattr(module, "_cpcompile_config", None)
         if mark is None:
             continue
-        programs = list(module.forward.programs.values())
+        programs = list(module.forward.__self__.programs.values())
         state = [[(names[ref[0]], ref[1]) if isinstance(ref, tuple) else "constant" for ref in p.state]
                  for p in programs]
         regions.append((name, mark["method"], [p.gm.code for p in programs], state))

@@ -55,7 +55,7 @@ def _run(rank: int, world: int, env_size: str | None) -> dict:
         model = cpcompile.compile(tiny_qwen3(0, layers=2), mesh, plan, example_inputs=example, trace_cache_size=size)
         _steps(model, LENGTHS)
         _steps(model, LENGTHS[-1:])  # the most recent length again: still cached
-        regions = [layer.self_attn.forward for layer in model.model.layers]
+        regions = [layer.self_attn.forward.__self__ for layer in model.model.layers]
         out[name] = {
             "cached": [len(region.programs) for region in regions],
             "traced": [region.traces for region in regions],

@@ -24,7 +24,7 @@ def _structure(rank: int, world: int) -> dict:
 
     per_layer = []
     for layer in model.model.layers:
-        (program,) = layer.self_attn.forward.programs.values()
+        (program,) = layer.self_attn.forward.__self__.programs.values()
         nodes = list(program.gm.graph.nodes)
         launches = [n for n in nodes if n.target is C.ALL_GATHER]
         per_layer.append([

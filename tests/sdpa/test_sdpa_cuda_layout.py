@@ -44,7 +44,7 @@ def _run(_process: int, _processes: int, padded: bool) -> dict:
         model = cpcompile.compile(Qwen3ForCausalLM(config).to("cuda", torch.bfloat16), mesh, plan, example_inputs=local)
         model(**local).loss.backward()
         torch.cuda.synchronize()
-        kernels[method] = model.model.layers[0].self_attn.forward.programs and "ran"
+        kernels[method] = model.model.layers[0].self_attn.forward.__self__.programs and "ran"
     dist.destroy_process_group()
     return kernels
 

@@ -34,7 +34,7 @@ def _layer_collectives(layer, roles: dict) -> list:
     from cpcompile import collectives as C
     from cpcompile.passes.graph_utils import is_core
 
-    (program,) = layer.self_attn.forward.programs.values()
+    (program,) = layer.self_attn.forward.__self__.programs.values()
     nodes = list(program.gm.graph.nodes)
     rows = [
         (

@@ -1,6 +1,7 @@
 """`local_attention`: what a CP rank computes after its collectives, the one call the SDPA rewrites emit.
 
-    local_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, masked_kernel, query_positions?) -> out
+    local_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, masked_kernel, query_positions?,
+                    unmasked?) -> out
 
 `q [B, Hq, n·c, D]` holds n equal chunks of queries; chunk i sits at global positions
 `[chunk_starts[i], chunk_starts[i] + c)` (AllGather: one chunk at r·S_local; Head-Tail: chunks r and
@@ -13,14 +14,17 @@ unused) and always runs the masked path. `k, v [B, Hkv, S_kv, D]` are in global 
 `causal`, j ≤ p.
 
 Every rank has the key tags of every rank (a rank without padding of its own still attends to
-other ranks' padding and documents), so whether a step has padded keys or several documents is
-read here, once per call (one flag read back from the device): with one unpadded document,
-`chunk_attention` runs the unmasked blocks on `kernel`; otherwise `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the tiles of
-`tiled_attention` on a kernel that takes a mask (the CPU's). `kernel="flex"` (CUDA fp32, which
-the fused kernels with a log-sum-exp output do not take) runs FlexAttention always, reading no flag.
+other ranks' padding and documents). With one unpadded document a row, `chunk_attention` runs the
+unmasked blocks on `kernel`; otherwise `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the
+tiles of `tiled_attention` on a kernel that takes a mask (the CPU's). `kernel="flex"` (CUDA fp32,
+which the fused kernels with a log-sum-exp output do not take) runs FlexAttention always.
 
-Under `torch.compile` no flag is read either (it would break the graph at every attention): the
-masked path runs, which is exact without padding too, at FlexAttention's speed on CUDA.
+Which of the two a call takes is `unmasked`, a fact of the batch that `shard_batch` found on the
+global batch (`documents.unmasked_keys`) and that the rewrite bakes into the region's graph, one
+graph per value: no read-back from the device, and under `torch.compile` no graph break and the
+unmasked kernel. `unmasked=None` (a batch `shard_batch` did not mark) reads it off the tags, one
+flag read back from the device; under `torch.compile` it cannot (a graph break at every
+attention), so the masked path runs, which is exact without padding too.
 """
 from __future__ import annotations
 
@@ -35,9 +39,11 @@ from .op import chunk_attention, tiled_attention
 
 @without_autocast  # Q/K/V come at the precision autocast gives SDPA; the kernels keep it
 def local_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
-                    scale: float, kernel: str, masked_kernel: str, query_positions: Tensor | None = None) -> Tensor:
-    if (query_positions is None and kernel != "flex" and not torch.compiler.is_compiling()
-            and single_unpadded_document(key_tags)):
+                    scale: float, kernel: str, masked_kernel: str, query_positions: Tensor | None = None,
+                    unmasked: bool | None = None) -> Tensor:
+    if unmasked is None:
+        unmasked = not torch.compiler.is_compiling() and single_unpadded_document(key_tags)
+    if query_positions is None and kernel != "flex" and unmasked:
         return chunk_attention(q, k, v, chunk_starts, causal, scale, kernel)[0]
     if masked_kernel == "flex":
         return flex_chunk_attention(q, k, v, key_tags, chunk_starts, causal, scale, query_positions)

@@ -2,7 +2,8 @@
 
 Every method first gives the causal conv its true left context (`fill_conv_halo`): the last
 `kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad, and a
-traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`); in
+traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`), and q, k
+and v reach the core contiguous when compiled (`contiguous_qkv_when_compiled`); in
 Head-Tail order each of a rank's two fragments gets its own (`head_tail.fill_head_tail_conv_halo`).
 Then the method rewrites the core (`passes/cores.py` runs both): Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
 (`all_gather.py`), and in Head-Tail order `p2p_head_tail.py`, `all_gather_head_tail.py`.
@@ -15,6 +16,7 @@ import torch.fx as fx
 from ...context import PassContext
 from ...errors import CPInputError
 from ...kernels.gdn.conv import causal_conv
+from ...kernels.gdn.layout import contiguous_when_compiled
 from ...methods import CONTIGUOUS, HEAD_TAIL, MethodSpec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
@@ -35,13 +37,24 @@ def gdn_method(name: str, rewrite, layout: str = CONTIGUOUS) -> MethodSpec:
 
 
 def fill_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
-    """What every GDN method does to a core first (`passes/cores.py` calls it): the conv's halo."""
+    """What every GDN method does to a core first (`passes/cores.py` calls it): the conv's halo,
+    and q, k, v contiguous when compiled."""
     if ctx.method.layout == HEAD_TAIL:  # two fragments a rank: a halo and a conv each
         fill_head_tail_conv_halo(gm, match, ctx)
-        return
-    history = fill_conv_halo(gm, match, ctx)
-    for conv in [user for user in history.users if user.target in CONV_OPS]:
-        conv_for_compile(gm, conv)
+    else:
+        history = fill_conv_halo(gm, match, ctx)
+        for conv in [user for user in history.users if user.target in CONV_OPS]:
+            conv_for_compile(gm, conv)
+    contiguous_qkv_when_compiled(gm, match)
+
+
+def contiguous_qkv_when_compiled(gm: fx.GraphModule, match: GdnMatch) -> None:
+    """The core's q, k and v through `contiguous_when_compiled` (`kernels/gdn/layout.py`): the layer's
+    own code makes them contiguous only when Dynamo traces it, and `torch.export` traced the region."""
+    emit = Emitter(gm.graph, match.node, PASS)
+    args = list(match.node.args)
+    args[:3] = [emit(contiguous_when_compiled, x) for x in args[:3]]
+    match.node.args = tuple(args)
 
 
 def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> fx.Node:

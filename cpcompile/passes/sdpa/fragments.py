@@ -189,11 +189,12 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
     kernel = select_kernel(q.device, q.dtype)
     masked_kernel = select_kernel(q.device, q.dtype, masked=True)
     scale = match.scale if match.scale is not None else q.shape[-1] ** -0.5
+    runs = {True: f"{kernel} (the batch is unmasked)", False: f"{masked_kernel} (the batch masks keys)"}
     note_once(ctx, f"local attention: {kernel} blocks (one unpadded document), {masked_kernel} with padded keys "
-                   "or documents; nothing S_q x S_kv")
+                   f"or documents; nothing S_q x S_kv; this graph runs {runs.get(ctx.unmasked, 'either, read per call')}")
     query, key, value, value_size = equal_head_sizes(emit, ctx, query, key, value)
     output = emit.core(local_attention, query, key, value, key_tags, list(chunk_starts), causal, float(scale), kernel,
-                       masked_kernel, query_positions, fake=local_attention_fake)
+                       masked_kernel, query_positions, ctx.unmasked, fake=local_attention_fake)
     if val(output).shape[-1] != value_size:
         output = emit(aten.slice.Tensor, output, 3, 0, value_size)
     return output
