@@ -64,7 +64,9 @@ class _RecordSdpaCalls(TorchFunctionMode):
 
 
 @contextmanager
-def _module_stack_hooks(model: nn.Module, stack: list[str], sites: list):
+def module_stack_hooks(model: nn.Module, stack: list[str], sites: list):
+    """While inside: `stack` holds the FQNs of the modules running, outermost first; each call of a
+    module-type core (a GDN layer) appends (its kind, the stack) to `sites`."""
     handles = []
     for name, module in model.named_modules():
         kind = core_module_kind(module)
@@ -158,7 +160,7 @@ def probe_forward(model: nn.Module, example: Any, regions: dict[str, nn.Module])
     outside the regions for sequence mixing on the way (`audit.mixers`)."""
     result = ProbeResult()
     stack: list[str] = []
-    with forked_rng(), torch.no_grad(), _module_stack_hooks(model, stack, result.core_sites), \
+    with forked_rng(), torch.no_grad(), module_stack_hooks(model, stack, result.core_sites), \
             _record_first_inputs(regions, result.inputs), mixer_audit(model, list(regions)) as audit:
 
         def note_core(tokens: TokenBatch) -> None:

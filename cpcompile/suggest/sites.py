@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 
 from ..adapters.qwen3_5 import is_gdn_layer
 from ..adapters.sdpa import declared_window
-from ..capture import call_model, cores_answered_with_zeros, forked_rng
+from ..capture import call_model, cores_answered_with_zeros, forked_rng, module_stack_hooks
 from ..errors import CPInputError
 from ..meta_params import fake_parameters, has_meta_parameters
 
@@ -56,7 +56,7 @@ def find_core_sites(model: nn.Module, example: Any = None) -> list[CoreSite]:
     stack: list[str] = []
     found: dict[str, CoreSite] = {}
     params = fake_parameters(model, torch.device("cpu")) if has_meta_parameters(model) else contextlib.nullcontext()
-    with forked_rng(), torch.no_grad(), params, _module_stack(model, stack), cores_answered_with_zeros(model), \
+    with forked_rng(), torch.no_grad(), params, module_stack_hooks(model, stack, []), cores_answered_with_zeros(model), \
             _SdpaCalls(stack, modules, found):
         for fqn, module in modules.items():
             if is_gdn_layer(module):
@@ -109,19 +109,3 @@ def _sdpa_arguments(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tens
     names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal")
     bound = {**dict(zip(names, args)), **kwargs}
     return bound["query"], bound["key"], bool(bound.get("is_causal"))
-
-
-@contextlib.contextmanager
-def _module_stack(model: nn.Module, stack: list[str]):
-    def pop(_module, _args, _output) -> None:  # a hook's return value would replace the output
-        stack.pop()
-
-    handles = []
-    for name, module in model.named_modules():
-        handles.append(module.register_forward_pre_hook(lambda _m, _a, name=name: stack.append(name)))
-        handles.append(module.register_forward_hook(pop, always_call=True))
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
