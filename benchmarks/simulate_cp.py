@@ -22,7 +22,8 @@ second saves a step on the longest rows, where one step takes minutes; its time 
 counting mode's Python work on each op, small beside a step that long (the results file gives a
 row run both ways).
 
-`--ranks` picks the rows' ranks: by default rank 0 and the last rank, or either alone.
+`--ranks` picks the rows' ranks: by default rank 0 and the last rank, or either alone, or rank N/2
+(`middle`, alone or with both ends).
 
 Predictions from a row (`predict`), per rank:
 - comm time = bytes sent / `--bandwidth-gbps` (450 GB/s: an H200's NVLink, per direction);
@@ -70,7 +71,9 @@ def short_tokens(count: int) -> str:
     return str(count)
 
 
-RANK_CHOICES = {"ends": ("first", "last"), "first": ("first",), "last": ("last",)}
+RANK_CHOICES = {"ends": ("first", "last"), "first": ("first",), "last": ("last",), "middle": ("middle",),
+                "ends+middle": ("first", "middle", "last")}
+RANK_OF_END = {"first": lambda cp: 0, "middle": lambda cp: cp // 2, "last": lambda cp: cp - 1}
 
 
 def counted_step(warmup: int) -> int:
@@ -89,7 +92,7 @@ def row_specs(cp_sizes: list[int], tokens: list[int], methods: list[str], ranks:
     for count in sorted(tokens):
         for cp in sorted(cp_sizes, reverse=True):
             for method in methods:
-                for rank in sorted({0 if end == "first" else cp - 1 for end in RANK_CHOICES[ranks]}):
+                for rank in sorted({RANK_OF_END[end](cp) for end in RANK_CHOICES[ranks]}):
                     specs.append({"method": method, "cp": cp, "tokens": count, "rank": rank})
     return specs
 
@@ -246,13 +249,13 @@ def rank_table(rows: list[dict], bandwidth_gbps: float) -> str:
 
 
 def job_table(rows: list[dict], bandwidth_gbps: float) -> str:
-    """Per (method, N, tokens) with both ranks measured: the slower rank's step bounds and the
-    job's tokens/s at them."""
+    """Per (method, N, tokens) with every chosen rank measured: the slowest rank's step bounds, the
+    job's tokens/s at them, and the spread of the ranks' compute (slowest / fastest)."""
     groups: dict = {}
     for row in rows:
         groups.setdefault((row["method"], row["cp"], row["tokens"]), []).append(row)
-    lines = ["| SDPA | N | global tokens | slowest rank | step s (overlapped - serial) | job tokens/s |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| SDPA | N | global tokens | slowest rank | step s (overlapped - serial) | job tokens/s | "
+             "compute slowest / fastest |", "|---|---|---|---|---|---|---|"]
     for (method, cp, tokens), members in sorted(groups.items()):
         measured = [r for r in members if "note" not in r]
         if len(measured) < len(members) or not measured:
@@ -260,8 +263,9 @@ def job_table(rows: list[dict], bandwidth_gbps: float) -> str:
         bounds = [(predict(r, bandwidth_gbps), r["rank"]) for r in measured]
         low = max(p["overlapped_s"] for p, _ in bounds)
         high, slowest = max((p["serial_s"], rank) for p, rank in bounds)
+        computes = [r["compute_s"] for r in measured]
         lines.append(f"| {method} | {cp} | {short_tokens(tokens)} | {slowest} | {low:.3f} - {high:.3f} | "
-                     f"{tokens / high:.0f} - {tokens / low:.0f} |")
+                     f"{tokens / high:.0f} - {tokens / low:.0f} | {max(computes) / min(computes):.2f} |")
     return "\n".join(lines)
 
 

@@ -270,8 +270,8 @@ def main() -> None:
     simulation.add_argument("--warmup", type=int, default=2,
                             help="steps before the measured ones; the last counts the bytes sent (with 1: the first "
                                  "measured step does)")
-    simulation.add_argument("--ranks", default="ends", choices=("ends", "first", "last"),
-                            help="the ranks each (N, tokens) runs: 0 and N-1, or either alone")
+    simulation.add_argument("--ranks", default="ends", choices=("ends", "first", "last", "middle", "ends+middle"),
+                            help="the ranks each (N, tokens) runs: 0 and N-1, either alone, N//2, or all three")
     simulation.add_argument("--max-seconds", type=float, default=540.0, help="for all rows; rows past it say so")
     simulation.add_argument("--bandwidth-gbps", type=float, default=450.0, help="per direction (H200 NVLink: 450)")
     simulation.add_argument("--simulate-row", default=None, help=argparse.SUPPRESS)  # one row, in a child process

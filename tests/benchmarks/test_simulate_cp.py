@@ -44,7 +44,8 @@ def test_the_counted_step_is_never_the_first():
         counted_step(0)
 
 
-@pytest.mark.parametrize("ranks, expected", [("ends", [0, 3]), ("first", [0]), ("last", [3])])
+@pytest.mark.parametrize("ranks, expected", [("ends", [0, 3]), ("first", [0]), ("last", [3]), ("middle", [2]),
+                                              ("ends+middle", [0, 2, 3])])
 def test_rows_run_the_chosen_ranks(ranks, expected):
     from simulate_cp import row_specs
 
