@@ -218,10 +218,11 @@ def shard_batch(
     if num_items is not None:
         local["num_items_in_batch"] = num_items
     local["use_cache"] = False
+    # whether any key is masked: the attention kernels' choice, also without CP (adapters/hf_attention.py)
+    mark_unmasked(local["position_ids"], unmasked_keys(fields["position_ids"], fields.get("attention_mask")))
     if index is not None:
         mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
         mark_packed(local["position_ids"], packed)
-        mark_unmasked(local["position_ids"], unmasked_keys(fields["position_ids"], fields.get("attention_mask")))
     if order is not None:
         setattr(local["position_ids"], GLOBAL_POSITIONS, index.to(main.device))
         setattr(local["position_ids"], TOKEN_ORDER, order)

@@ -50,6 +50,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from ..adapters.hf_attention import route_attention_without_cp
 from ..adapters.qwen3_5 import gdn_layer_forward, is_gdn_layer
 from ..compiled import compile_around_regions
 from ..documents import DocumentFeed
@@ -82,6 +83,8 @@ def parallelize_model(model: torch.nn.Module, mesh: CPMesh, config: "TrainConfig
     cp_compile(model, mesh, config.plan, dump_dir=settings.dump_dir, example_inputs=example)
     if progress is not None:
         progress.at("start")
+    if config.plan.cp_size == 1:  # the CP regions' attention kernels without CP: no S x S mask (adapters/hf_attention.py)
+        route_attention_without_cp(model, decoder_layers(model))
     routed = use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
     if settings.gdn_checkpoint_around_core and not routed:
         raise PlanError("train.gdn_checkpoint_around_core", f"{type(model).__name__} has no GDN layer run outside CP: "

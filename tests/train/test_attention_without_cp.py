@@ -1,0 +1,107 @@
+"""Without CP the trainer runs a model's softmax attention on the CP regions' local kernels
+(`adapters/hf_attention.py`), so that packed and padded batches build no S x S mask: the same
+logits (at real tokens), loss and every parameter gradient as transformers' own SDPA path with its
+dense mask, in float64, for unpadded, right-padded, left-padded and packed batches."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from cp_harness import VOCAB, tiny_llama, tiny_qwen3
+from cpcompile.adapters.hf_attention import route_attention, route_attention_without_cp
+from cpcompile.documents import mark_unmasked, positions_from_starts, unmasked_keys
+from cpcompile.errors import UnsupportedError
+from cpcompile.trainer.parallelize import decoder_layers
+
+S = 24
+
+
+def batch(kind: str, seed: int) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (2, S), generator=gen)
+    positions = torch.arange(S).expand(2, S).clone()
+    mask = None
+    if kind == "right_padded":
+        mask = torch.ones(2, S, dtype=torch.long)
+        mask[0, -5:] = 0
+    elif kind == "left_padded":
+        mask = torch.ones(2, S, dtype=torch.long)
+        mask[1, :7] = 0
+    elif kind == "packed":
+        starts = torch.zeros(2, S, dtype=torch.bool)
+        starts[:, 0] = True
+        starts[0, [5, 6, 17]] = True  # a one-token document too
+        starts[1, [11]] = True
+        positions = torch.stack([positions_from_starts(row) for row in starts])
+    out = {"input_ids": ids, "position_ids": positions}
+    if mask is not None:
+        out["attention_mask"] = mask
+    return out
+
+
+def run(model, inputs: dict, unmasked: bool | None):
+    inputs = {k: v.clone() for k, v in inputs.items()}
+    if unmasked is not None:
+        mark_unmasked(inputs["position_ids"], unmasked)
+    model.zero_grad(set_to_none=True)
+    logits = model(**inputs, use_cache=False).logits
+    real = inputs.get("attention_mask", torch.ones_like(inputs["input_ids"])).bool()
+    loss = (logits.float().log_softmax(-1)[..., 0] * real).sum()  # every real token's output counts
+    loss.backward()
+    return logits[real], loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("kind", ["unpadded", "right_padded", "left_padded", "packed"])
+def test_local_kernels_match_transformers_sdpa(build, kind):
+    reference = build(seed=3).double()
+    routed = copy.deepcopy(reference)
+    assert route_attention_without_cp(routed, decoder_layers(routed)) == len(decoder_layers(routed))
+    inputs = batch(kind, seed=len(kind))
+    unmasked = unmasked_keys(inputs["position_ids"], inputs.get("attention_mask"))
+    assert unmasked == (kind == "unpadded")
+    want_logits, want_loss, want_grads = run(reference, inputs, None)
+    got_logits, got_loss, got_grads = run(routed, inputs, unmasked)
+    torch.testing.assert_close(got_logits, want_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-10, atol=1e-10)
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
+
+
+def test_a_wrong_unmasked_fact_is_caught():
+    """Negative control: told a packed batch is unmasked, the kernel attends across documents, and the
+    comparison above fails."""
+    reference = tiny_qwen3(seed=4).double()
+    routed = copy.deepcopy(reference)
+    route_attention_without_cp(routed, decoder_layers(routed))
+    inputs = batch("packed", seed=5)
+    want, _, _ = run(reference, inputs, None)
+    got, _, _ = run(routed, inputs, True)
+    assert (got - want).abs().max() > 1e-3
+
+
+def test_no_square_mask_reaches_the_kernel(monkeypatch):
+    """What transformers hands the attention is the 2-D padding mask, never a [B, 1, S, S] one."""
+    from cpcompile.adapters import hf_attention
+
+    seen = []
+    original = hf_attention.local_attention_forward
+
+    def spy(module, q, k, v, attention_mask, *args, **kwargs):
+        seen.append(None if attention_mask is None else tuple(attention_mask.shape))
+        return original(module, q, k, v, attention_mask, *args, **kwargs)
+
+    monkeypatch.setattr(hf_attention, "local_attention_forward", spy)
+    model = tiny_qwen3(seed=6).double()
+    route_attention(model)
+    for kind in ("right_padded", "packed"):
+        model(**batch(kind, seed=7), use_cache=False)
+    assert seen == [(2, S)] * 2 + [None] * 2
+
+
+def test_sliding_windows_are_refused():
+    model = tiny_qwen3(seed=8, use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    with pytest.raises(UnsupportedError, match="sliding window"):
+        route_attention(model)
