@@ -113,9 +113,10 @@ class TrainSettings(Section):
     host memory, pinned on CUDA, until their backward (saved-tensor hooks that move that input alone,
     eager or compiled layers); needs activation_checkpointing every_layer or {every_n: k}."""
     sdpa_backend: SDPABackendName | None = None
-    """The one SDPA kernel the model's own attention calls (those CP does not rewrite: all of them at
-    cp 1) run on, forward and backward; a call it refuses fails with PyTorch's reason
-    (trainer/sdpa_backend.py); null: PyTorch chooses."""
+    """The one SDPA kernel the model's own attention calls run on, forward and backward; a call it
+    refuses fails with PyTorch's reason (trainer/sdpa_backend.py). Set, it keeps transformers' SDPA
+    path at cp 1 (with the dense mask transformers builds for padded or packed batches); null: at
+    cp 1 the CP regions' local kernels run the attention (adapters/hf_attention.py)."""
     device: Device = "cpu"
     """Where the model runs."""
     dump_dir: str | None = None

@@ -1,8 +1,9 @@
 """`train.sdpa_backend`: the one PyTorch SDPA kernel the model's own attention calls run on.
 
-At cp 1 (and for any attention CP does not rewrite) the model's SDPA call runs as transformers
-wrote it, and PyTorch picks the kernel: cuDNN's on an H200 (torch 2.11) for the 0.57B benchmark
-model's heads (8 query, 2 KV, dim 256), read from the profiler in the trainer's step
+With the setting, the model's own SDPA calls run as transformers wrote them, at cp 1 too (where,
+unset, the CP regions' local kernels run the attention: adapters/hf_attention.py). Left to itself,
+PyTorch picks cuDNN's kernel on an H200 (torch 2.11) for the 0.57B benchmark model's heads (8 query,
+2 KV, dim 256), read from the profiler in the trainer's step
 (benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). The setting pins a kernel, for a
 comparison or where PyTorch's pick differs. The rewritten CP regions choose their own kernels
 (`kernels/attention`) and do not read this.
