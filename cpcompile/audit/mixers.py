@@ -273,7 +273,7 @@ def moved_tokens(before, after, tokens: TokenBatch, position: int) -> str | None
         if axis is None or old.shape != new.shape:
             continue
         scale = tokens.per_token(old, axis).max().item()
-        change = tokens.per_token(new.float() - old.float(), axis)
+        change = tokens.per_token(new, axis, minus=old)
         moved = change.nan_to_num(0.0) > MOVED * max(scale, 1e-30)
         moved[0, position] = False
         later += int(moved[0, position + 1:].sum())

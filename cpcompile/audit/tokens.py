@@ -16,6 +16,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CPInputError
 
+SLICE_ELEMENTS = 1 << 26  # float32 values a slice of `TokenBatch.per_token` holds (256 MB)
+
 
 @dataclass(frozen=True)
 class TokenBatch:
@@ -33,12 +35,22 @@ class TokenBatch:
             return 0
         return None
 
-    def per_token(self, tensor: torch.Tensor, axis: int) -> torch.Tensor:
-        """`[B, S]`: the largest absolute entry of each token of `tensor` (token axis `axis`)."""
-        values = tensor.detach().abs().float()
-        if axis == 0:
-            values = values.reshape(self.batch, self.length, -1)
-        return values.reshape(self.batch, self.length, -1).amax(-1) if values.dim() > 2 else values
+    def per_token(self, tensor: torch.Tensor, axis: int, minus: torch.Tensor | None = None) -> torch.Tensor:
+        """`[B, S]`: the largest absolute entry of each token of `tensor` (token axis `axis`), or of
+        `tensor - minus`. Token-major in both layouts, so it runs over slices of tokens: a wide output
+        (the logits of a large vocabulary: 18.5 GiB in float32 at 32K tokens) is never copied whole."""
+        del axis  # `[B, S, ...]` and `[B·S, ...]` flatten alike, token by token
+        rows = self.batch * self.length
+        flat = tensor.detach().reshape(rows, -1)
+        other = minus.detach().reshape(rows, -1) if minus is not None else None
+        step = max(1, SLICE_ELEMENTS // max(1, flat.shape[1]))
+        out = torch.empty(rows, dtype=torch.float32, device=tensor.device)
+        for start in range(0, rows, step):
+            piece = flat[start:start + step].float()
+            if other is not None:
+                piece = piece - other[start:start + step].float()
+            out[start:start + step] = piece.abs().amax(-1)
+        return out.reshape(self.batch, self.length)
 
     def sequence_axes(self, tensor: torch.Tensor) -> tuple[int, ...]:
         """The axes of an example input that run along the local sequence: every axis after the
