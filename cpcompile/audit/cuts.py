@@ -130,8 +130,9 @@ class CutAuditor:
 
         window = cut_example(self.example, self.tokens, cut)
         with ExitStack() as stack_of:
-            for enter in (forked_rng(), torch.no_grad(), evaluating(self.model), self.kept_state(),
-                          cores_answered_with_zeros(self.model), stand_ins_while_called(self.model), recorder):
+            for enter in (forked_rng(), torch.no_grad(), evaluating(self.model), autocast_off(self.example),
+                          self.kept_state(), cores_answered_with_zeros(self.model),
+                          stand_ins_while_called(self.model), recorder):
                 stack_of.enter_context(enter)
             for module in self.names:
                 stack_of.callback(module.register_forward_pre_hook(before, with_kwargs=True).remove)
@@ -211,6 +212,19 @@ def handed_cut(whole: Call | None, output: Any, cut: Cut, batch: int) -> Any:
             isinstance(theirs, torch.Tensor) else None
         handed.append(cut_value.contiguous() if cut_value is not None else ours)
     return pytree.tree_unflatten(handed, spec)
+
+
+@contextmanager
+def autocast_off(example: Any):
+    """The runs at the precision of the model's own tensors, out of any autocast the caller's step holds
+    (a Hugging Face Trainer's first step, under accelerate's): at bf16 the window and its halves would
+    round differently (matmuls of another length tile otherwise), which the float32 `TOLERANCE` would
+    read as code mixing positions. The verdict is about code, not precision."""
+    devices = {leaf.device.type for leaf in pytree.tree_leaves(example) if isinstance(leaf, torch.Tensor)}
+    with ExitStack() as stack:
+        for device in sorted(devices - {"meta"}):
+            stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 @contextmanager
