@@ -1,0 +1,409 @@
+"""Masked local attention (padding, packed documents) against the unmasked kernels per unit of visible work.
+
+    python benchmarks/masked_attention.py [--quick] [--seq 8192 32768 131072] [--cp2] [--out FILE]   (CUDA, bf16)
+
+Issue 48 item 3 asks masked attention to run within 1.2x of the unmasked cuDNN path for the same
+visible work, forward+backward. For head layouts GQA 8/2 x 256 (Qwen3.5's) and 16/4 x 128, one rank
+of cp 1 (the whole causal sequence; `--cp2` adds the last AllGather rank of CP=2: S/2 queries at S/2
+against S keys) and batches unpadded, 10% padding at the end, packed documents (~2K, ~8K tokens,
+seeded), rows:
+- unmasked `chunk_attention` on cudnn and flash (unpadded batch only: the reference);
+- `local_attention(..., unmasked=False, masked_kernel="flex")`, what cpcompile runs today;
+- FlexAttention under the same block mask (`kernels/attention/flex.py`) with other `kernel_options`;
+- `torch.nn.attention.varlen.varlen_attn` (flash) over cu_seq_q/cu_seq_k, one segment per run of equal
+  key tags (a document, or a padding run attending only to itself), with exact max_q/max_k (a host
+  sync) and with the chunk's bounds (no sync);
+- cuDNN's ragged path (`aten._cudnn_attention_forward` with cum_seq_q/cum_seq_k, no S x S mask);
+- at S <= 8K only: SDPA with a dense S x S boolean mask, what transformers does today.
+Visible work: visible (query, key) pairs of real queries over the rank's causal square. "rel" is ms
+per unit visible work over unmasked cuDNN's on the unpadded batch (issue 48's target: <= 1.2).
+Median ms (triton.testing.do_bench); peak GiB of one forward+backward above the inputs. Each masked
+kernel is first checked against the float64 oracle (`naive_attention`) at S=1024.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import inspect
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cpcompile.kernels.attention import local_attention  # noqa: E402
+from cpcompile.kernels.attention.flex import block_mask  # noqa: E402
+from cpcompile.kernels.attention.naive import naive_attention  # noqa: E402
+from cpcompile.kernels.attention.op import chunk_attention  # noqa: E402
+
+aten = torch.ops.aten
+HEADS = {"gqa 8/2 x 256": (8, 2, 256), "gqa 16/4 x 128": (16, 4, 128)}
+# FlexAttention kernel_options per head dim: (BLOCK_M, BLOCK_N, num_stages, num_warps) of the forward and
+# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps) of the backward. torch's H100 defaults
+# (template_heuristics/triton.py, 2.13): D=256 fwd (64, 32, 3, 4), bwd (64, 64, 64, 64, 2, 4); D=128 fwd
+# (128, 64, 3, 8), bwd (64, 128, 128, 64, 3, 8). Blocks must divide the block mask's 128.
+FLEX_OPTIONS = {
+    256: {
+        "fwd 64x64 s2 w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 2, "fwd_num_warps": 4},
+        "fwd 128x64 s2 w8, bwd 32/64 s2 w4": {
+            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 2, "fwd_num_warps": 8,
+            "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+            "bwd_num_stages": 2, "bwd_num_warps": 4},
+        "fwd 128x64 s2 w8, bwd 64 s1 w8": {
+            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 2, "fwd_num_warps": 8,
+            "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+            "bwd_num_stages": 1, "bwd_num_warps": 8},
+    },
+    128: {
+        "fwd 128x128 s2 w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
+        "fwd 128x64 s3 w8, bwd 64/128 s2 w8": {
+            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8,
+            "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
+            "bwd_num_stages": 2, "bwd_num_warps": 8},
+        "fwd 128x64 s3 w8, bwd 32/64 s3 w4": {
+            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8,
+            "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
+            "bwd_num_stages": 3, "bwd_num_warps": 4},
+    },
+}
+QUICK_FLEX_OPTIONS = 1  # --quick keeps the first setting per head dim
+
+
+# --------------------------------------------------------------------------- batches and visible work
+
+
+def batch_tags(kind: str, keys: int, device) -> torch.Tensor:
+    """`[1, S]` key tags (`kernels/attention/layout.py`): unpadded, 10% padding at the end, or packed
+    documents of random lengths around N tokens (seeded: the same row on every run)."""
+    tags = torch.zeros(1, keys, dtype=torch.long)
+    if kind == "pad 10%":
+        tags[0, keys - keys // 10:] = -1
+    elif kind.startswith("docs"):
+        mean = int(kind.split("~")[1].rstrip("K")) * 1024
+        starts = torch.rand(keys, generator=torch.Generator().manual_seed(0)) < 1 / mean
+        starts[0] = False
+        tags = starts.long().cumsum(0)[None]
+    return tags.to(device)
+
+
+def tag_runs(tags: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Starts and ends of the runs of equal tags of one row `[S]`: a document's real keys, or a padding run."""
+    change = torch.nonzero(tags[1:] != tags[:-1]).flatten() + 1
+    bounds = torch.cat([change.new_zeros(1), change, change.new_full((1,), tags.numel())])
+    return bounds[:-1], bounds[1:]
+
+
+def visible_work(tags: torch.Tensor, start: int, length: int) -> float:
+    """Visible pairs of the real queries `[start, start+length)` over the rank's causal square (documents
+    are contiguous runs, so a real query at p sees its run's keys up to p)."""
+    row = tags[0].cpu()
+    run_start = torch.zeros_like(row)
+    starts, ends = tag_runs(row)
+    for s, e in zip(starts.tolist(), ends.tolist()):
+        run_start[s:e] = s
+    pos = torch.arange(start, start + length)
+    seen = torch.where(row[pos] >= 0, pos - run_start[pos] + 1, 0).sum().item()
+    return seen / (pos + 1).sum().item()
+
+
+# --------------------------------------------------------------------------- kernels: (q, k, v, tags, starts) -> out
+
+
+def unmasked(kernel: str):
+    return lambda q, k, v, tags, starts: chunk_attention(q, k, v, starts, True, q.shape[-1] ** -0.5, kernel)[0]
+
+
+def cpcompile_flex(q, k, v, tags, starts):
+    return local_attention(q, k, v, tags, starts, True, q.shape[-1] ** -0.5, "flash", "flex", None, False)
+
+
+_FLEX = {}
+
+
+def flex_with(options: dict):
+    """FlexAttention under cpcompile's block mask with these kernel_options (one compiled callable each)."""
+    def run(q, k, v, tags, starts):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        fn = _FLEX.setdefault("compiled", torch.compile(flex_attention, dynamic=False))
+        mask = block_mask(tags, starts, q.shape[2], True)
+        return fn(q, k, v, block_mask=mask, scale=q.shape[-1] ** -0.5, enable_gqa=q.shape[1] != k.shape[1],
+                  kernel_options=dict(options))
+    return run
+
+
+def segments(tags: torch.Tensor, start: int, length: int):
+    """cu_seq_q / cu_seq_k (int32) of one chunk of queries `[start, start+length)` against keys `[0, end)`:
+    one segment per run of equal tags that holds queries; its keys are the run up to the chunk end
+    (causal attention aligned bottom-right, as flash does for L_q < L_k). Runs before the chunk are
+    skipped, so cu_seq_k may start above 0. Also the exact max_q, max_k (a host sync)."""
+    end = start + length
+    run_start, run_end = tag_runs(tags[0, :end])
+    keep = run_end > start
+    run_start, run_end = run_start[keep], run_end[keep]
+    q_bounds = torch.cat([run_start.clamp(min=start)[:1], run_end]) - start
+    k_bounds = torch.cat([run_start[:1], run_end])
+    max_q = int((run_end - run_start.clamp(min=start)).max())
+    max_k = int((run_end - run_start).max())
+    return q_bounds.int(), k_bounds.int(), max_q, max_k
+
+
+def _varlen_api():
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def _varlen_kwargs(params, q_heads: int, k, v):
+    """Causality and GQA spelled as this torch's varlen_attn takes them (2.13: window_size=(-1, 0) and
+    enable_gqa; earlier: is_causal=, and K/V repeated to the query heads when enable_gqa is absent)."""
+    kwargs = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if "enable_gqa" in params:
+        kwargs["enable_gqa"] = q_heads != k.shape[1]
+    elif q_heads != k.shape[1]:
+        k, v = (x.repeat_interleave(q_heads // x.shape[1], dim=1) for x in (k, v))
+    return kwargs, k, v
+
+
+def varlen(exact_max: bool):
+    def run(q, k, v, tags, starts):
+        varlen_attn = _varlen_api()
+        params = inspect.signature(varlen_attn).parameters
+        (length, d), outs = q.shape[2:], []
+        k3, v3 = (x.transpose(1, 2).reshape(-1, x.shape[1], d) for x in (k, v))  # [S, Hkv, D] views
+        for i, start in enumerate(starts):
+            c = length // len(starts)
+            q3 = q[:, :, i * c:(i + 1) * c].transpose(1, 2).reshape(c, q.shape[1], d)
+            cu_q, cu_k, max_q, max_k = segments(tags, start, c)
+            if not exact_max:
+                max_q, max_k = c, start + c
+            kwargs, kk, vv = _varlen_kwargs(params, q.shape[1], k3, v3)
+            outs.append(varlen_attn(q3, kk, vv, cu_q, cu_k, max_q, max_k, scale=d ** -0.5, **kwargs))
+        return torch.cat(outs).reshape(1, length, q.shape[1], d).transpose(1, 2)
+    return run
+
+
+class _CudnnRagged(torch.autograd.Function):
+    """cuDNN's ragged attention (cum_seq_q/cum_seq_k), forward and backward, on `[T, H, D]`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_q, cu_k, max_q, max_k):
+        res = aten._cudnn_attention_forward(q, k, v, None, cu_q, cu_k, max_q, max_k, True, 0.0, True, False,
+                                            scale=q.shape[-1] ** -0.5)
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu_q, cu_k)
+        ctx.max = (max_q, max_k)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, seed, offset, cu_q, cu_k = ctx.saved_tensors
+        dq, dk, dv = aten._cudnn_attention_backward(grad.contiguous(), q, k, v, out, lse, seed, offset, None, cu_q,
+                                                    cu_k, *ctx.max, 0.0, True, scale=q.shape[-1] ** -0.5)
+        return dq, dk, dv, None, None, None, None
+
+
+def cudnn_ragged(q, k, v, tags, starts):
+    """cp 1 only (query and key segments equal; cuDNN's causal mask is top-left aligned)."""
+    if starts != [0] or q.shape[2] != k.shape[2]:
+        raise NotImplementedError("cuDNN ragged row runs the cp 1 layout only (top-left causal alignment)")
+    (length, d), hq = q.shape[2:], q.shape[1]
+    k, v = (x.repeat_interleave(hq // x.shape[1], dim=1) for x in (k, v))  # no GQA on this path
+    q3, k3, v3 = (x.transpose(1, 2).reshape(length, hq, d) for x in (q, k, v))
+    cu_q, cu_k, max_q, max_k = segments(tags, 0, length)
+    out = _CudnnRagged.apply(q3, k3, v3, cu_q, cu_k, max_q, max_k)
+    return out.reshape(1, length, hq, d).transpose(1, 2)
+
+
+def dense_mask_sdpa(q, k, v, tags, starts):
+    """What transformers does today: K/V repeated to the query heads and a dense [S_q, S_kv] bool mask."""
+    length = q.shape[2]
+    positions = torch.arange(length, device=q.device) + starts[0]
+    docs = torch.where(tags >= 0, tags, -tags - 1)
+    seen = (tags[:, None, :] == docs[:, positions][:, :, None]) & \
+        (torch.arange(k.shape[2], device=q.device) <= positions[:, None])
+    k, v = (x.repeat_interleave(q.shape[1] // x.shape[1], dim=1) for x in (k, v))
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
+
+
+def masked_kernels(head_dim: int, quick: bool) -> dict:
+    options = list(FLEX_OPTIONS[head_dim].items())[:QUICK_FLEX_OPTIONS if quick else None]
+    kernels = {"local_attention masked (flex, as shipped)": cpcompile_flex}
+    kernels.update({f"flex {name}": flex_with(opts) for name, opts in options})
+    if _varlen_api() is not None:
+        kernels["varlen_attn, exact max_q/max_k"] = varlen(True)
+        kernels["varlen_attn, chunk bounds as max (no sync)"] = varlen(False)
+    kernels["cudnn ragged (cum_seq)"] = cudnn_ragged
+    return kernels
+
+
+# --------------------------------------------------------------------------- correctness, timing, table
+
+
+def inputs(heads: tuple[int, int, int], rows: int, keys: int, seed: int = 0):
+    hq, hkv, d = heads
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    make = lambda h, s: torch.randn(1, s, h, d, device="cuda", dtype=torch.bfloat16,  # noqa: E731
+                                    generator=gen).transpose(1, 2).requires_grad_()
+    return make(hq, rows), make(hkv, keys), make(hkv, keys)
+
+
+def check_tags(keys: int) -> torch.Tensor:
+    """Documents of ~150 tokens, then 10% padding: every case of the masked kernels at once."""
+    starts = torch.rand(keys, generator=torch.Generator().manual_seed(1)) < 1 / 150
+    starts[0] = False
+    tags = starts.long().cumsum(0)
+    tags[keys - keys // 10:] = -(tags[keys - keys // 10 - 1] + 1)  # padding of the last document
+    return tags[None].cuda()
+
+
+def check(name: str, fn, heads, starts: list[int], keys: int = 1024) -> str:
+    """Max abs error of out (real query rows) and dq/dk/dv against the float64 oracle; the output
+    gradient is zero on padded query rows, whose outputs no kernel defines alike."""
+    rows = keys - starts[0]
+    q, k, v = inputs(heads, rows, keys, seed=1)
+    tags = check_tags(keys)
+    real = (tags[0, starts[0]:] >= 0)[None, None, :, None]
+    grad = torch.randn(q.shape, device="cuda", dtype=q.dtype) * real
+    try:
+        got = fn(q, k, v, tags, starts)
+        dgot = torch.autograd.grad(got, (q, k, v), grad)
+    except Exception as exc:  # noqa: BLE001 - a kernel that refuses is a line
+        return f"{name}: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = naive_attention(qd, kd, vd, starts, key_tags=tags.cpu())
+    dwant = torch.autograd.grad(want, (qd, kd, vd), grad.double())
+    errs = [((got.double() - want) * real).abs().max()] + [(a.double() - b).abs().max() for a, b in zip(dgot, dwant)]
+    return f"{name}: max abs error out {errs[0]:.1e}, dq {errs[1]:.1e}, dk {errs[2]:.1e}, dv {errs[3]:.1e}"
+
+
+def measure(fn, q, k, v, tags, starts) -> tuple[float, float, float]:
+    from triton.testing import do_bench
+
+    grad = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+    call = lambda: fn(q, k, v, tags, starts)  # noqa: E731
+    fwd = do_bench(call, warmup=25, rep=100, return_mode="median")
+    both = do_bench(lambda: torch.autograd.grad(call(), (q, k, v), grad), warmup=25, rep=100, return_mode="median")
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.autograd.grad(call(), (q, k, v), grad)
+    torch.cuda.synchronize()
+    return fwd, both, (torch.cuda.max_memory_allocated() - base) / 2**30
+
+
+def layouts(seq: int, cp2: bool) -> dict[str, list[int]]:
+    out = {"cp 1": [0]}
+    if cp2:
+        out["cp 2 all_gather (last rank)"] = [seq // 2]
+    return out
+
+
+def cases(seq: int, quick: bool) -> list[str]:
+    kinds = ["unpadded", "pad 10%", "docs~2K", "docs~8K"]
+    return kinds[:3] if quick else kinds
+
+
+def rows_of(heads_name: str, seq: int, layout: str, starts: list[int], quick: bool):
+    """(batch kind, kernel name, fn) of one (heads, S, layout): the unmasked references on the unpadded
+    batch, every masked kernel on every batch."""
+    hq, hkv, d = HEADS[heads_name]
+    for kind in cases(seq, quick):
+        if kind == "unpadded":
+            yield kind, "unmasked cudnn (reference)", unmasked("cudnn")
+            yield kind, "unmasked flash", unmasked("flash")
+            continue
+        for name, fn in masked_kernels(d, quick).items():
+            yield kind, name, fn
+        if seq <= 8192 and layout == "cp 1":
+            yield kind, "sdpa + dense S x S bool mask (transformers today)", dense_mask_sdpa
+
+
+def run_table(args, lines: list[str]) -> None:
+    for heads_name, heads in HEADS.items():
+        for seq in args.seq:
+            for layout, starts in layouts(seq, args.cp2).items():
+                rows = seq - starts[0]
+                q, k, v = inputs(heads, rows, seq)
+                reference = None
+                for kind, name, fn in rows_of(heads_name, seq, layout, starts, args.quick):
+                    tags = batch_tags(kind, seq, "cuda")
+                    work = visible_work(tags, starts[0], rows)
+                    head = f"| {layout} | {heads_name} | {seq} | {kind} | {name} |"
+                    try:
+                        fwd, both, peak = measure(fn, q, k, v, tags, starts)
+                    except Exception as exc:  # noqa: BLE001 - a kernel that refuses is a row
+                        lines.append(f"{head} {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | {work:.3f} | | | |")
+                        print(lines[-1], flush=True)
+                        continue
+                    if name.startswith("unmasked cudnn"):
+                        reference = (fwd, both)
+                    rel = [f"{t / work / r:.2f}" for t, r in zip((fwd, both), reference)] if reference else ["", ""]
+                    lines.append(f"{head} {fwd:.2f} | {both:.2f} | {work:.3f} | {rel[0]} | {rel[1]} | {peak:.2f} |")
+                    print(lines[-1], flush=True)
+                del q, k, v
+                torch.cuda.empty_cache()
+
+
+def run_checks(args, lines: list[str]) -> None:
+    lines += ["", "Correctness at S=1024 (documents of ~150 tokens, last 10% padding), against the float64 oracle:", ""]
+    for heads_name, heads in HEADS.items():
+        for layout, starts in layouts(1024, args.cp2).items():
+            kernels = {"unmasked cudnn (no mask: yardstick of bf16 error only)": unmasked("cudnn"),
+                       **masked_kernels(heads[2], args.quick)}
+            for name, fn in kernels.items():
+                lines.append(f"- {layout}, {heads_name}, " + check(name, fn, heads, starts))
+                print(lines[-1], flush=True)
+
+
+def describe_torch() -> list[str]:
+    varlen_attn = _varlen_api()
+    sig = f"varlen_attn{inspect.signature(varlen_attn)}" if varlen_attn else "absent"
+    return [f"torch {torch.__version__}; torch.nn.attention.varlen.varlen_attn: {sig}"]
+
+
+def raise_recompile_limits() -> None:
+    """Every (S, kernel_options) compiles FlexAttention anew (dynamic=False): past the default limit of 8
+    Dynamo would silently run flex_attention eagerly, a dense quadratic path."""
+    import torch._dynamo
+
+    torch._dynamo.config.cache_size_limit = 1024
+    torch._dynamo.config.accumulated_cache_size_limit = 4096
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=None, help="default 8192 32768 131072 (--quick: 8192 32768)")
+    parser.add_argument("--quick", action="store_true",
+                        help="fewer rows: 8K and 32K, no ~8K-document batch, one extra flex setting per head size")
+    parser.add_argument("--cp2", action="store_true", help="also the last AllGather rank of CP=2")
+    parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    parser.add_argument("--out", default=None, help="write the table as markdown")
+    args = parser.parse_args(argv)
+    args.seq = args.seq or ([8192, 32768] if args.quick else [8192, 32768, 131072])
+    header = describe_torch()
+    print(header[0], flush=True)
+    if not torch.cuda.is_available():
+        print("masked_attention: needs CUDA (bf16 fused kernels); nothing measured", file=sys.stderr)
+        return 1
+    raise_recompile_limits()
+    lines = [f"# Masked vs unmasked local attention — {_dt.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
+             f"bf16", "", header[0], "", "Command: `python " + " ".join(["benchmarks/masked_attention.py", *sys.argv[1:]])
+             + "`", "",
+             "| layout | heads | S | batch | kernel | fwd ms | fwd+bwd ms | visible work | rel fwd | rel fwd+bwd | "
+             "peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    run_table(args, lines)
+    if not args.no_check:
+        run_checks(args, lines)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
