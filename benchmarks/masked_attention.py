@@ -2,28 +2,30 @@
 
     python benchmarks/masked_attention.py [--quick] [--seq 8192 32768 131072] [--cp2] [--out FILE]   (CUDA, bf16)
 
-Issue 48 item 3 asks masked attention to run within 1.2x of the unmasked cuDNN path for the same
-visible work, forward+backward. For head layouts GQA 8/2 x 256 (Qwen3.5's) and 16/4 x 128, one rank
-of cp 1 (the whole causal sequence; `--cp2` adds the last AllGather rank of CP=2: S/2 queries at S/2
-against S keys) and batches unpadded, 10% padding at the end, packed documents (~2K, ~8K tokens,
-seeded), rows:
+Issue 48 item 3: masked attention within 1.2x of the unmasked cuDNN path for the same visible work,
+forward+backward. Head layouts GQA 8/2 x 256 (Qwen3.5's) and 16/4 x 128; one rank of cp 1 (the whole
+causal sequence; `--cp2` adds CP=2's last AllGather rank: S/2 queries at S/2 against S keys); batches
+unpadded, 10% padding at the end, packed documents (~2K, ~8K tokens, seeded). Rows:
 - unmasked `chunk_attention` on cudnn and flash (unpadded batch only: the reference);
 - `local_attention(..., unmasked=False, masked_kernel="flex")`, what cpcompile runs today;
-- FlexAttention under the same block mask (`kernels/attention/flex.py`) with other `kernel_options`;
-- `torch.nn.attention.varlen.varlen_attn` (flash) over cu_seq_q/cu_seq_k, one segment per run of equal
-  key tags (a document, or a padding run attending only to itself), with exact max_q/max_k (a host
-  sync) and with the chunk's bounds (no sync);
+- FlexAttention under the same block mask (`kernels/attention/flex.py`) with other `kernel_options`
+  (at the lengths `--options-at` names, 32K by default: each setting compiles anew per length);
+- `torch.nn.attention.varlen.varlen_attn` (flash) over cu_seq_q/cu_seq_k, a segment per run of equal key
+  tags (a document, or a padding run attending only to itself), with exact max_q/max_k (a host sync)
+  and with the chunk's bounds (no sync);
 - cuDNN's ragged path (`aten._cudnn_attention_forward` with cum_seq_q/cum_seq_k, no S x S mask);
 - at S <= 8K only: SDPA with a dense S x S boolean mask, what transformers does today.
-Visible work: visible (query, key) pairs of real queries over the rank's causal square. "rel" is ms
-per unit visible work over unmasked cuDNN's on the unpadded batch (issue 48's target: <= 1.2).
-Median ms (triton.testing.do_bench); peak GiB of one forward+backward above the inputs. Each masked
-kernel is first checked against the float64 oracle (`naive_attention`) at S=1024.
+Visible work: visible (query, key) pairs of real queries over the rank's causal square; "rel": ms per
+unit visible work over unmasked cuDNN's on the unpadded batch (target <= 1.2). Median ms
+(triton.testing.do_bench); peak GiB of one forward+backward above the inputs. Then every kernel is
+checked against the float64 oracle (`naive_attention`) at S=1024.
 """
 from __future__ import annotations
 
 import argparse
 import datetime as _dt
+import importlib
+import importlib.util
 import inspect
 import sys
 from pathlib import Path
@@ -39,38 +41,29 @@ from cpcompile.kernels.attention.op import chunk_attention  # noqa: E402
 
 aten = torch.ops.aten
 HEADS = {"gqa 8/2 x 256": (8, 2, 256), "gqa 16/4 x 128": (16, 4, 128)}
-# FlexAttention kernel_options per head dim: (BLOCK_M, BLOCK_N, num_stages, num_warps) of the forward and
-# (BLOCK_M1, BLOCK_N1, BLOCK_M2, BLOCK_N2, num_stages, num_warps) of the backward. torch's H100 defaults
-# (template_heuristics/triton.py, 2.13): D=256 fwd (64, 32, 3, 4), bwd (64, 64, 64, 64, 2, 4); D=128 fwd
-# (128, 64, 3, 8), bwd (64, 128, 128, 64, 3, 8). Blocks must divide the block mask's 128.
-FLEX_OPTIONS = {
-    256: {
-        "fwd 64x64 s2 w4": {"fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "fwd_num_stages": 2, "fwd_num_warps": 4},
-        "fwd 128x64 s2 w8, bwd 32/64 s2 w4": {
-            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 2, "fwd_num_warps": 8,
-            "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-            "bwd_num_stages": 2, "bwd_num_warps": 4},
-        "fwd 128x64 s2 w8, bwd 64 s1 w8": {
-            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 2, "fwd_num_warps": 8,
-            "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
-            "bwd_num_stages": 1, "bwd_num_warps": 8},
-    },
-    128: {
-        "fwd 128x128 s2 w8": {"fwd_BLOCK_M": 128, "fwd_BLOCK_N": 128, "fwd_num_stages": 2, "fwd_num_warps": 8},
-        "fwd 128x64 s3 w8, bwd 64/128 s2 w8": {
-            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8,
-            "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 64,
-            "bwd_num_stages": 2, "bwd_num_warps": 8},
-        "fwd 128x64 s3 w8, bwd 32/64 s3 w4": {
-            "fwd_BLOCK_M": 128, "fwd_BLOCK_N": 64, "fwd_num_stages": 3, "fwd_num_warps": 8,
-            "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32,
-            "bwd_num_stages": 3, "bwd_num_warps": 4},
-    },
+# torch's H100 FlexAttention defaults (template_heuristics/triton.py, 2.13), fwd (M, N, stages, warps) and bwd
+# (M1, N1, M2, N2, stages, warps): D=256 (64, 32, 3, 4), (64, 64, 64, 64, 2, 4); D=128 (128, 64, 3, 8),
+# (64, 128, 128, 64, 3, 8). The settings below try others; blocks must divide the block mask's 128.
+
+
+def _fwd(m: int, n: int, stages: int, warps: int) -> dict:
+    return {"fwd_BLOCK_M": m, "fwd_BLOCK_N": n, "fwd_num_stages": stages, "fwd_num_warps": warps}
+
+
+def _bwd(m1: int, n1: int, m2: int, n2: int, stages: int, warps: int) -> dict:
+    return {"bwd_BLOCK_M1": m1, "bwd_BLOCK_N1": n1, "bwd_BLOCK_M2": m2, "bwd_BLOCK_N2": n2,
+            "bwd_num_stages": stages, "bwd_num_warps": warps}
+
+
+FLEX_OPTIONS = {  # name: kernel_options; the name gives (M, N, stages, warps) and (M1/N1, stages, warps)
+    256: {"fwd 64x64 s2 w4": _fwd(64, 64, 2, 4),
+          "fwd 128x64 s2 w8, bwd 32/64 s2 w4": {**_fwd(128, 64, 2, 8), **_bwd(32, 64, 64, 32, 2, 4)},
+          "fwd 128x64 s2 w8, bwd 64/64 s1 w8": {**_fwd(128, 64, 2, 8), **_bwd(64, 64, 64, 64, 1, 8)}},
+    128: {"fwd 128x128 s2 w8": _fwd(128, 128, 2, 8),
+          "fwd 128x64 s3 w8, bwd 64/128 s2 w8": {**_fwd(128, 64, 3, 8), **_bwd(64, 128, 128, 64, 2, 8)},
+          "fwd 128x64 s3 w8, bwd 32/64 s3 w4": {**_fwd(128, 64, 3, 8), **_bwd(32, 64, 64, 32, 3, 4)}},
 }
-QUICK_FLEX_OPTIONS = 1  # --quick keeps the first setting per head dim
 
-
-# --------------------------------------------------------------------------- batches and visible work
 
 
 def batch_tags(kind: str, keys: int, device) -> torch.Tensor:
@@ -98,19 +91,15 @@ def visible_work(tags: torch.Tensor, start: int, length: int) -> float:
     """Visible pairs of the real queries `[start, start+length)` over the rank's causal square (documents
     are contiguous runs, so a real query at p sees its run's keys up to p)."""
     row = tags[0].cpu()
-    run_start = torch.zeros_like(row)
     starts, ends = tag_runs(row)
-    for s, e in zip(starts.tolist(), ends.tolist()):
-        run_start[s:e] = s
+    run_start = starts.repeat_interleave(ends - starts)
     pos = torch.arange(start, start + length)
     seen = torch.where(row[pos] >= 0, pos - run_start[pos] + 1, 0).sum().item()
     return seen / (pos + 1).sum().item()
 
 
-# --------------------------------------------------------------------------- kernels: (q, k, v, tags, starts) -> out
 
-
-def unmasked(kernel: str):
+def unmasked(kernel: str):  # the reference: cpcompile's unmasked blocks
     return lambda q, k, v, tags, starts: chunk_attention(q, k, v, starts, True, q.shape[-1] ** -0.5, kernel)[0]
 
 
@@ -150,11 +139,8 @@ def segments(tags: torch.Tensor, start: int, length: int):
 
 
 def _varlen_api():
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    module = importlib.util.find_spec("torch.nn.attention.varlen") and importlib.import_module("torch.nn.attention.varlen")
+    return getattr(module, "varlen_attn", None) if module else None
 
 
 def _varlen_kwargs(params, q_heads: int, k, v):
@@ -229,8 +215,10 @@ def dense_mask_sdpa(q, k, v, tags, starts):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
 
 
-def masked_kernels(head_dim: int, quick: bool) -> dict:
-    options = list(FLEX_OPTIONS[head_dim].items())[:QUICK_FLEX_OPTIONS if quick else None]
+def masked_kernels(head_dim: int, quick: bool, with_options: bool = True) -> dict:
+    """Every masked kernel; the FlexAttention kernel_options rows only `with_options` (each (S, setting)
+    is a compilation of its own, ~10 s: they run at one length, `--options-at`)."""
+    options = list(FLEX_OPTIONS[head_dim].items())[:1 if quick else None] if with_options else []
     kernels = {"local_attention masked (flex, as shipped)": cpcompile_flex}
     kernels.update({f"flex {name}": flex_with(opts) for name, opts in options})
     if _varlen_api() is not None:
@@ -239,8 +227,6 @@ def masked_kernels(head_dim: int, quick: bool) -> dict:
     kernels["cudnn ragged (cum_seq)"] = cudnn_ragged
     return kernels
 
-
-# --------------------------------------------------------------------------- correctness, timing, table
 
 
 def inputs(heads: tuple[int, int, int], rows: int, keys: int, seed: int = 0):
@@ -253,19 +239,18 @@ def inputs(heads: tuple[int, int, int], rows: int, keys: int, seed: int = 0):
 
 def check_tags(keys: int) -> torch.Tensor:
     """Documents of ~150 tokens, then 10% padding: every case of the masked kernels at once."""
-    starts = torch.rand(keys, generator=torch.Generator().manual_seed(1)) < 1 / 150
-    starts[0] = False
-    tags = starts.long().cumsum(0)
+    tags = (torch.rand(keys, generator=torch.Generator().manual_seed(1)) < 1 / 150).long().cumsum(0)
     tags[keys - keys // 10:] = -(tags[keys - keys // 10 - 1] + 1)  # padding of the last document
     return tags[None].cuda()
 
 
-def check(name: str, fn, heads, starts: list[int], keys: int = 1024) -> str:
-    """Max abs error of out (real query rows) and dq/dk/dv against the float64 oracle; the output
-    gradient is zero on padded query rows, whose outputs no kernel defines alike."""
+def check(name: str, fn, heads, starts: list[int], masked: bool = True, keys: int = 1024) -> str:
+    """Max abs error of out (real query rows) and dq/dk/dv against the float64 oracle, on documents and
+    padding (`masked`) or one unpadded document; the output gradient is zero on padded query rows,
+    whose outputs no kernel defines alike."""
     rows = keys - starts[0]
     q, k, v = inputs(heads, rows, keys, seed=1)
-    tags = check_tags(keys)
+    tags = check_tags(keys) if masked else batch_tags("unpadded", keys, "cuda")
     real = (tags[0, starts[0]:] >= 0)[None, None, :, None]
     grad = torch.randn(q.shape, device="cuda", dtype=q.dtype) * real
     try:
@@ -307,7 +292,7 @@ def cases(seq: int, quick: bool) -> list[str]:
     return kinds[:3] if quick else kinds
 
 
-def rows_of(heads_name: str, seq: int, layout: str, starts: list[int], quick: bool):
+def rows_of(heads_name: str, seq: int, layout: str, starts: list[int], quick: bool, options_at: list[int]):
     """(batch kind, kernel name, fn) of one (heads, S, layout): the unmasked references on the unpadded
     batch, every masked kernel on every batch."""
     hq, hkv, d = HEADS[heads_name]
@@ -316,7 +301,7 @@ def rows_of(heads_name: str, seq: int, layout: str, starts: list[int], quick: bo
             yield kind, "unmasked cudnn (reference)", unmasked("cudnn")
             yield kind, "unmasked flash", unmasked("flash")
             continue
-        for name, fn in masked_kernels(d, quick).items():
+        for name, fn in masked_kernels(d, quick, with_options=seq in options_at).items():
             yield kind, name, fn
         if seq <= 8192 and layout == "cp 1":
             yield kind, "sdpa + dense S x S bool mask (transformers today)", dense_mask_sdpa
@@ -329,40 +314,43 @@ def run_table(args, lines: list[str]) -> None:
                 rows = seq - starts[0]
                 q, k, v = inputs(heads, rows, seq)
                 reference = None
-                for kind, name, fn in rows_of(heads_name, seq, layout, starts, args.quick):
+                for kind, name, fn in rows_of(heads_name, seq, layout, starts, args.quick, args.options_at):
                     tags = batch_tags(kind, seq, "cuda")
                     work = visible_work(tags, starts[0], rows)
                     head = f"| {layout} | {heads_name} | {seq} | {kind} | {name} |"
                     try:
                         fwd, both, peak = measure(fn, q, k, v, tags, starts)
                     except Exception as exc:  # noqa: BLE001 - a kernel that refuses is a row
-                        lines.append(f"{head} {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | {work:.3f} | | | |")
-                        print(lines[-1], flush=True)
+                        emit(lines, f"{head} {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | {work:.3f} | | | |")
                         continue
                     if name.startswith("unmasked cudnn"):
                         reference = (fwd, both)
                     rel = [f"{t / work / r:.2f}" for t, r in zip((fwd, both), reference)] if reference else ["", ""]
-                    lines.append(f"{head} {fwd:.2f} | {both:.2f} | {work:.3f} | {rel[0]} | {rel[1]} | {peak:.2f} |")
-                    print(lines[-1], flush=True)
+                    emit(lines, f"{head} {fwd:.2f} | {both:.2f} | {work:.3f} | {rel[0]} | {rel[1]} | {peak:.2f} |")
                 del q, k, v
                 torch.cuda.empty_cache()
 
 
 def run_checks(args, lines: list[str]) -> None:
-    lines += ["", "Correctness at S=1024 (documents of ~150 tokens, last 10% padding), against the float64 oracle:", ""]
+    lines += ["", "Correctness at S=1024 (documents of ~150 tokens, last 10% padding), max abs error against the "
+              "float64 oracle (`naive_attention`):", ""]
     for heads_name, heads in HEADS.items():
         for layout, starts in layouts(1024, args.cp2).items():
-            kernels = {"unmasked cudnn (no mask: yardstick of bf16 error only)": unmasked("cudnn"),
-                       **masked_kernels(heads[2], args.quick)}
-            for name, fn in kernels.items():
-                lines.append(f"- {layout}, {heads_name}, " + check(name, fn, heads, starts))
-                print(lines[-1], flush=True)
+            checks = [("unmasked cudnn, one unpadded document (the bf16 yardstick)", unmasked("cudnn"), False)]
+            checks += [(name, fn, True) for name, fn in masked_kernels(heads[2], args.quick).items()]
+            for name, fn, masked in checks:
+                emit(lines, f"- {layout}, {heads_name}, " + check(name, fn, heads, starts, masked))
 
 
-def describe_torch() -> list[str]:
+def emit(lines: list[str], line: str) -> None:
+    lines.append(line)
+    print(line, flush=True)
+
+
+def describe_torch() -> str:
     varlen_attn = _varlen_api()
     sig = f"varlen_attn{inspect.signature(varlen_attn)}" if varlen_attn else "absent"
-    return [f"torch {torch.__version__}; torch.nn.attention.varlen.varlen_attn: {sig}"]
+    return f"torch {torch.__version__}; torch.nn.attention.varlen.varlen_attn: {sig}"
 
 
 def raise_recompile_limits() -> None:
@@ -380,18 +368,20 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true",
                         help="fewer rows: 8K and 32K, no ~8K-document batch, one extra flex setting per head size")
     parser.add_argument("--cp2", action="store_true", help="also the last AllGather rank of CP=2")
+    parser.add_argument("--options-at", type=int, nargs="*", default=[32768],
+                        help="lengths that also get the FlexAttention kernel_options rows (default 32768)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     parser.add_argument("--out", default=None, help="write the table as markdown")
     args = parser.parse_args(argv)
     args.seq = args.seq or ([8192, 32768] if args.quick else [8192, 32768, 131072])
     header = describe_torch()
-    print(header[0], flush=True)
+    print(header, flush=True)
     if not torch.cuda.is_available():
         print("masked_attention: needs CUDA (bf16 fused kernels); nothing measured", file=sys.stderr)
         return 1
     raise_recompile_limits()
     lines = [f"# Masked vs unmasked local attention — {_dt.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
-             f"bf16", "", header[0], "", "Command: `python " + " ".join(["benchmarks/masked_attention.py", *sys.argv[1:]])
+             f"bf16", "", header, "", "Command: `python " + " ".join(["benchmarks/masked_attention.py", *sys.argv[1:]])
              + "`", "",
              "| layout | heads | S | batch | kernel | fwd ms | fwd+bwd ms | visible work | rel fwd | rel fwd+bwd | "
              "peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
