@@ -55,3 +55,29 @@ def test_segments_match_the_oracle(kind, start):
     real = tags[0, start:] >= 0
     torch.testing.assert_close(got[:, :, real], want[:, :, real])
     assert max_q == int((cu_q[1:] - cu_q[:-1]).max()) and max_k == int((cu_k[1:] - cu_k[:-1]).max())
+
+
+def _varlen_on_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale=None, window_size=(-1, -1),
+                   enable_gqa=False, return_aux=None, seqused_k=None, block_table=None, num_splits=None):
+    """torch 2.13's `varlen_attn` signature over `_per_segment`: `[T, H, D]` in and out."""
+    assert window_size == (-1, 0) and enable_gqa == (query.shape[1] != key.shape[1])
+    assert max_q >= int((cu_seq_q[1:] - cu_seq_q[:-1]).max()) and max_k >= int((cu_seq_k[1:] - cu_seq_k[:-1]).max())
+    heads_first = [x.transpose(0, 1)[None] for x in (query, key, value)]
+    return _per_segment(*heads_first, cu_seq_q, cu_seq_k)[0].transpose(0, 1)
+
+
+@pytest.mark.parametrize("exact_max", [True, False])
+def test_varlen_row_layout(monkeypatch, exact_max):
+    """The varlen row's reshapes (`[B, H, S, D]` views to `[T, H, D]` and back), its chunk offsets and GQA
+    flag, with the kernel replaced by `_varlen_on_cpu`: the oracle's output on every real query row."""
+    monkeypatch.setattr(masked_attention, "_varlen_api", lambda: _varlen_on_cpu)
+    keys, start = 256, 128
+    tags = (torch.rand(keys, generator=torch.Generator().manual_seed(2)) < 1 / 40).long().cumsum(0)[None]
+    tags[0, -16:] = -(tags[0, -17] + 1)
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, s, h, 8, generator=gen, dtype=torch.float64).transpose(1, 2)
+               for h, s in ((4, keys - start), (2, keys), (2, keys)))
+    got = masked_attention.varlen(exact_max)(q, k, v, tags, [start])
+    want = naive_attention(q, k, v, [start], key_tags=tags)
+    real = tags[0, start:] >= 0
+    torch.testing.assert_close(got[:, :, real], want[:, :, real])
