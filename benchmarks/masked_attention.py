@@ -13,7 +13,7 @@ unpadded, 10% padding at the end, packed documents (~2K, ~8K tokens, seeded). Ro
 - `torch.nn.attention.varlen.varlen_attn` (flash) over cu_seq_q/cu_seq_k, a segment per run of equal key
   tags (a document, or a padding run attending only to itself), with exact max_q/max_k (a host sync)
   and with the chunk's bounds (no sync);
-- cuDNN's ragged path (`aten._cudnn_attention_forward` with cum_seq_q/cum_seq_k, no S x S mask);
+- with `--cudnn-ragged`: cuDNN's ragged path (`aten._cudnn_attention_forward` with cum_seq_q/cum_seq_k);
 - at S <= 8K only: SDPA with a dense S x S boolean mask, what transformers does today.
 Visible work: visible (query, key) pairs of real queries over the rank's causal square; "rel": ms per
 unit visible work over unmasked cuDNN's on the unpadded batch (target <= 1.2). Median ms
@@ -56,12 +56,10 @@ def _bwd(m1: int, n1: int, m2: int, n2: int, stages: int, warps: int) -> dict:
 
 
 FLEX_OPTIONS = {  # name: kernel_options; the name gives (M, N, stages, warps) and (M1/N1, stages, warps)
-    256: {"fwd 64x64 s2 w4": _fwd(64, 64, 2, 4),
-          "fwd 128x64 s2 w8, bwd 32/64 s2 w4": {**_fwd(128, 64, 2, 8), **_bwd(32, 64, 64, 32, 2, 4)},
-          "fwd 128x64 s2 w8, bwd 64/64 s1 w8": {**_fwd(128, 64, 2, 8), **_bwd(64, 64, 64, 64, 1, 8)}},
-    128: {"fwd 128x128 s2 w8": _fwd(128, 128, 2, 8),
-          "fwd 128x64 s3 w8, bwd 64/128 s2 w8": {**_fwd(128, 64, 3, 8), **_bwd(64, 128, 128, 64, 2, 8)},
-          "fwd 128x64 s3 w8, bwd 32/64 s3 w4": {**_fwd(128, 64, 3, 8), **_bwd(32, 64, 64, 32, 3, 4)}},
+    256: {"fwd 128x64 s2 w8, bwd 32/64 s2 w4": {**_fwd(128, 64, 2, 8), **_bwd(32, 64, 64, 32, 2, 4)},
+          "fwd 64x64 s2 w4, bwd 64/64 s1 w8": {**_fwd(64, 64, 2, 4), **_bwd(64, 64, 64, 64, 1, 8)}},
+    128: {"fwd 128x128 s2 w8, bwd 32/64 s3 w4": {**_fwd(128, 128, 2, 8), **_bwd(32, 64, 64, 32, 3, 4)},
+          "fwd 128x64 s3 w8, bwd 64/128 s2 w8": {**_fwd(128, 64, 3, 8), **_bwd(64, 128, 128, 64, 2, 8)}},
 }
 
 
@@ -139,8 +137,8 @@ def segments(tags: torch.Tensor, start: int, length: int):
 
 
 def _varlen_api():
-    module = importlib.util.find_spec("torch.nn.attention.varlen") and importlib.import_module("torch.nn.attention.varlen")
-    return getattr(module, "varlen_attn", None) if module else None
+    name = "torch.nn.attention.varlen"
+    return getattr(importlib.import_module(name), "varlen_attn", None) if importlib.util.find_spec(name) else None
 
 
 def _varlen_kwargs(params, q_heads: int, k, v):
@@ -215,16 +213,19 @@ def dense_mask_sdpa(q, k, v, tags, starts):
     return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=seen[:, None])
 
 
-def masked_kernels(head_dim: int, quick: bool, with_options: bool = True) -> dict:
+def masked_kernels(head_dim: int, args, with_options: bool) -> dict:
     """Every masked kernel; the FlexAttention kernel_options rows only `with_options` (each (S, setting)
-    is a compilation of its own, ~10 s: they run at one length, `--options-at`)."""
-    options = list(FLEX_OPTIONS[head_dim].items())[:1 if quick else None] if with_options else []
+    is a compilation of its own, ~12 s on an H100: they run at one length, `--options-at`); cuDNN's
+    ragged row only on request (on torch 2.11 / H100 its gradients were wrong as called here, and one
+    call took 50-150 ms at S=1024)."""
+    options = list(FLEX_OPTIONS[head_dim].items())[:1 if args.quick else None] if with_options else []
     kernels = {"local_attention masked (flex, as shipped)": cpcompile_flex}
     kernels.update({f"flex {name}": flex_with(opts) for name, opts in options})
     if _varlen_api() is not None:
         kernels["varlen_attn, exact max_q/max_k"] = varlen(True)
         kernels["varlen_attn, chunk bounds as max (no sync)"] = varlen(False)
-    kernels["cudnn ragged (cum_seq)"] = cudnn_ragged
+    if args.cudnn_ragged:
+        kernels["cudnn ragged (cum_seq)"] = cudnn_ragged
     return kernels
 
 
@@ -287,16 +288,16 @@ def layouts(seq: int, cp2: bool) -> dict[str, list[int]]:
     return out
 
 
-def rows_of(heads_name: str, seq: int, layout: str, starts: list[int], quick: bool, options_at: list[int]):
+def rows_of(heads_name: str, seq: int, layout: str, args):
     """(batch kind, kernel name, fn) of one (heads, S, layout): the unmasked references on the unpadded
     batch, every masked kernel on every batch."""
     d = HEADS[heads_name][2]
-    for kind in ["unpadded", "pad 10%", "docs~2K", "docs~8K"][:3 if quick else 4]:
+    for kind in ["unpadded", "pad 10%", "docs~2K", "docs~8K"][:3 if args.quick else 4]:
         if kind == "unpadded":
             yield kind, "unmasked cudnn (reference)", unmasked("cudnn")
             yield kind, "unmasked flash", unmasked("flash")
             continue
-        for name, fn in masked_kernels(d, quick, with_options=seq in options_at).items():
+        for name, fn in masked_kernels(d, args, seq in args.options_at).items():
             yield kind, name, fn
         if seq <= 8192 and layout == "cp 1":
             yield kind, "sdpa + dense S x S bool mask (transformers today)", dense_mask_sdpa
@@ -306,24 +307,28 @@ def run_table(args, lines: list[str]) -> None:
     for heads_name, heads in HEADS.items():
         for seq in args.seq:
             for layout, starts in layouts(seq, args.cp2).items():
-                rows = seq - starts[0]
-                q, k, v = inputs(heads, rows, seq)
-                reference = None
-                for kind, name, fn in rows_of(heads_name, seq, layout, starts, args.quick, args.options_at):
-                    tags = batch_tags(kind, seq, "cuda")
-                    work = visible_work(tags, starts[0], rows)
+                q, k, v = inputs(heads, seq - starts[0], seq)
+                reference = {}
+                for kind, name, fn in rows_of(heads_name, seq, layout, args):
                     head = f"| {layout} | {heads_name} | {seq} | {kind} | {name} |"
-                    try:
-                        fwd, both, peak = measure(fn, q, k, v, tags, starts)
-                    except Exception as exc:  # noqa: BLE001 - a kernel that refuses is a row
-                        emit(lines, f"{head} {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | {work:.3f} | | | |")
-                        continue
-                    if name.startswith("unmasked cudnn") or (name.startswith("unmasked flash") and not reference):
-                        reference, note = (fwd, both), "" if "cudnn" in name else " (vs flash: cudnn failed)"
-                    rel = [f"{t / work / r:.2f}{note}" for t, r in zip((fwd, both), reference)] if reference else ["", ""]
-                    emit(lines, f"{head} {fwd:.2f} | {both:.2f} | {work:.3f} | {rel[0]} | {rel[1]} | {peak:.2f} |")
+                    emit(lines, table_row(head, name, fn, (q, k, v), batch_tags(kind, seq, "cuda"), starts, reference))
                 del q, k, v
                 torch.cuda.empty_cache()
+
+
+def table_row(head: str, name: str, fn, qkv, tags, starts: list[int], reference: dict) -> str:
+    """One row; `reference` keeps unmasked cuDNN's (fwd, fwd+bwd) ms of this (heads, S, layout), or
+    flash's (marked) where cuDNN failed."""
+    work = visible_work(tags, starts[0], qkv[0].shape[2])
+    try:
+        fwd, both, peak = measure(fn, *qkv, tags, starts)
+    except Exception as exc:  # noqa: BLE001 - a kernel that refuses is a row
+        return f"{head} {type(exc).__name__}: {str(exc).splitlines()[0][:120]} | | {work:.3f} | | | |"
+    if name.startswith("unmasked cudnn") or (name.startswith("unmasked flash") and not reference):
+        reference.update(ms=(fwd, both), note="" if "cudnn" in name else " (vs flash: cudnn failed)")
+    rel = [f"{t / work / r:.2f}{reference['note']}" for t, r in zip((fwd, both), reference["ms"])] \
+        if reference else ["", ""]
+    return f"{head} {fwd:.2f} | {both:.2f} | {work:.3f} | {rel[0]} | {rel[1]} | {peak:.2f} |"
 
 
 def run_checks(args, lines: list[str]) -> None:
@@ -332,7 +337,7 @@ def run_checks(args, lines: list[str]) -> None:
     for heads_name, heads in HEADS.items():
         for layout, starts in layouts(1024, args.cp2).items():
             checks = [("unmasked cudnn, one unpadded document (the bf16 yardstick)", unmasked("cudnn"), False)]
-            checks += [(name, fn, True) for name, fn in masked_kernels(heads[2], args.quick).items()]
+            checks += [(name, fn, True) for name, fn in masked_kernels(heads[2], args, args.check_options).items()]
             for name, fn, masked in checks:
                 try:
                     emit(lines, f"- {layout}, {heads_name}, " + check(name, fn, heads, starts, masked))
@@ -362,12 +367,15 @@ def raise_recompile_limits() -> None:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--seq", type=int, nargs="+", default=None, help="default 8192 32768 131072 (--quick: 8192 32768)")
+    parser.add_argument("--seq", type=int, nargs="+", help="default 8192 32768 131072 (--quick: 8192 32768)")
     parser.add_argument("--quick", action="store_true",
-                        help="fewer rows: 8K and 32K, no ~8K-document batch, one extra flex setting per head size")
+                        help="fewer rows: 8K and 32K, no ~8K-document batch, one kernel_options setting per head size")
     parser.add_argument("--cp2", action="store_true", help="also the last AllGather rank of CP=2")
     parser.add_argument("--options-at", type=int, nargs="*", default=[32768],
                         help="lengths that also get the FlexAttention kernel_options rows (default 32768)")
+    parser.add_argument("--check-options", action="store_true",
+                        help="also check the kernel_options settings (one more compilation each)")
+    parser.add_argument("--cudnn-ragged", action="store_true", help="also cuDNN's ragged path (see masked_kernels)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     parser.add_argument("--out", default=None, help="write the table as markdown")
     args = parser.parse_args(argv)
@@ -378,8 +386,8 @@ def main(argv=None) -> int:
         print("masked_attention: needs CUDA (bf16 fused kernels); nothing measured", file=sys.stderr)
         return 1
     raise_recompile_limits()
-    lines = [f"# Masked vs unmasked local attention — {_dt.date.today().isoformat()}, {torch.cuda.get_device_name()}, "
-             f"bf16", "", header, "", "Command: `python " + " ".join(["benchmarks/masked_attention.py", *sys.argv[1:]])
+    lines = [f"# Masked vs unmasked local attention — {_dt.date.today().isoformat()}, "
+             f"{torch.cuda.get_device_name()}, bf16", "", header, "", "Command: `python " + " ".join(["benchmarks/masked_attention.py", *sys.argv[1:]])
              + "`", "",
              "| layout | heads | S | batch | kernel | fwd ms | fwd+bwd ms | visible work | rel fwd | rel fwd+bwd | "
              "peak GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
