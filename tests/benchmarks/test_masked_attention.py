@@ -14,6 +14,7 @@ from cpcompile.kernels.attention.naive import naive_attention
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
                                 "benchmarks"))
 import masked_attention  # noqa: E402
+import masked_attention_kernels as kernels  # noqa: E402
 
 
 def test_help_on_cpu(capsys):
@@ -49,7 +50,7 @@ def test_segments_match_the_oracle(kind, start):
     gen = torch.Generator().manual_seed(1)
     q, k, v = (torch.randn(1, h, s, 8, generator=gen, dtype=torch.float64)
                for h, s in ((4, keys - start), (2, keys), (2, keys)))
-    cu_q, cu_k, max_q, max_k = masked_attention.segments(tags, start, keys - start)
+    cu_q, cu_k, max_q, max_k = kernels.segments(tags, start, keys - start)
     got = _per_segment(q, k, v, cu_q, cu_k)
     want = naive_attention(q, k, v, [start], key_tags=tags)
     real = tags[0, start:] >= 0
@@ -70,14 +71,14 @@ def _varlen_on_cpu(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, scale
 def test_varlen_row_layout(monkeypatch, exact_max):
     """The varlen row's reshapes (`[B, H, S, D]` views to `[T, H, D]` and back), its chunk offsets and GQA
     flag, with the kernel replaced by `_varlen_on_cpu`: the oracle's output on every real query row."""
-    monkeypatch.setattr(masked_attention, "_varlen_api", lambda: _varlen_on_cpu)
+    monkeypatch.setattr(kernels, "_varlen_api", lambda: _varlen_on_cpu)
     keys, start = 256, 128
     tags = (torch.rand(keys, generator=torch.Generator().manual_seed(2)) < 1 / 40).long().cumsum(0)[None]
     tags[0, -16:] = -(tags[0, -17] + 1)
     gen = torch.Generator().manual_seed(3)
     q, k, v = (torch.randn(1, s, h, 8, generator=gen, dtype=torch.float64).transpose(1, 2)
                for h, s in ((4, keys - start), (2, keys), (2, keys)))
-    got = masked_attention.varlen(exact_max)(q, k, v, tags, [start])
+    got = kernels.varlen(exact_max)(q, k, v, tags, [start])
     want = naive_attention(q, k, v, [start], key_tags=tags)
     real = tags[0, start:] >= 0
     torch.testing.assert_close(got[:, :, real], want[:, :, real])
