@@ -11,14 +11,14 @@ unpadded, 10% padding at the end, packed documents (~2K, ~8K tokens, seeded). Ro
 - FlexAttention under the same block mask (`kernels/attention/flex.py`) with other `kernel_options`
   (at the lengths `--options-at` names, 32K by default: each setting compiles anew per length);
 - `torch.nn.attention.varlen.varlen_attn` (flash) over cu_seq_q/cu_seq_k, a segment per run of equal key
-  tags (a document, or a padding run attending only to itself), with exact max_q/max_k (a host sync)
-  and with the chunk's bounds (no sync);
+  tags (a document, or a padding run attending only to itself), with exact max_q/max_k and with the
+  chunk's bounds (which need no read-back; the cu_seqlens here do: `nonzero` over the tags);
 - with `--cudnn-ragged`: cuDNN's ragged path (`aten._cudnn_attention_forward` with cum_seq_q/cum_seq_k);
 - at S <= 8K only: SDPA with a dense S x S boolean mask, what transformers does today.
 Visible work: visible (query, key) pairs of real queries over the rank's causal square; "rel": ms per
 unit visible work over unmasked cuDNN's on the unpadded batch (target <= 1.2). Median ms
 (triton.testing.do_bench); peak GiB of one forward+backward above the inputs. Then every kernel is
-checked against the float64 oracle (`naive_attention`) at S=1024.
+checked against the float64 oracle (`naive_attention`) at S=1024. The kernels: `masked_attention_kernels.py`.
 """
 from __future__ import annotations
 
@@ -186,8 +186,13 @@ def emit(lines: list[str], line: str) -> None:
 
 def describe_torch() -> str:
     varlen_attn = _varlen_api()
-    sig = f"varlen_attn{inspect.signature(varlen_attn)}" if varlen_attn else "absent"
-    return f"torch {torch.__version__}; torch.nn.attention.varlen.varlen_attn: {sig}"
+    if varlen_attn is None:
+        return f"torch {torch.__version__}; torch.nn.attention.varlen.varlen_attn: absent"
+    params = inspect.signature(varlen_attn).parameters
+    how = ("causal by " + ("is_causal=True" if "is_causal" in params else "window_size=(-1, 0)") + ", GQA by "
+           + ("enable_gqa=True" if "enable_gqa" in params else "K/V repeated to the query heads (no enable_gqa)"))
+    return (f"torch {torch.__version__}; torch.nn.attention.varlen.varlen_attn{inspect.signature(varlen_attn)}; "
+            f"the varlen rows call it with {how}")
 
 
 def raise_recompile_limits() -> None:

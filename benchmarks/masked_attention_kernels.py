@@ -174,7 +174,7 @@ def masked_kernels(head_dim: int, args, with_options: bool) -> dict:
     kernels.update({f"flex {name}": flex_with(opts) for name, opts in options})
     if _varlen_api() is not None:
         kernels["varlen_attn, exact max_q/max_k"] = varlen(True)
-        kernels["varlen_attn, chunk bounds as max (no sync)"] = varlen(False)
+        kernels["varlen_attn, max_q/max_k = chunk bounds"] = varlen(False)
     if args.cudnn_ragged:
         kernels["cudnn ragged (cum_seq)"] = cudnn_ragged
     return kernels
