@@ -26,8 +26,8 @@ from typing import Any, Mapping
 import torch
 
 from .documents import (
-    GLOBAL_POSITIONS, TOKEN_ORDER, end_documents, is_packed, mark_packed, mark_unmasked, per_document_head_tail,
-    positions_from_cu_seq_lens, unmasked_keys,
+    GLOBAL_POSITIONS, TOKEN_ORDER, causally_unmasked_keys, end_documents, is_packed, mark_packed, mark_unmasked,
+    per_document_head_tail, positions_from_cu_seq_lens, unmasked_keys,
 )
 from .batch_fields import PASSTHROUGH_KEYS, SEQ_DIM, check_field_shapes, check_keys, check_token_dtypes, sequence_shape
 from .errors import CPConfigError, CPInputError
@@ -218,8 +218,11 @@ def shard_batch(
     if num_items is not None:
         local["num_items_in_batch"] = num_items
     local["use_cache"] = False
-    # whether any key is masked: the attention kernels' choice, also without CP (adapters/hf_attention.py)
-    mark_unmasked(local["position_ids"], unmasked_keys(fields["position_ids"], fields.get("attention_mask")))
+    # whether any key is masked: the attention kernels' choice. Without CP the model's causal attention
+    # is the only reader (adapters/hf_attention.py), and right padding, after every real query, hides
+    # nothing any real query may see (`causally_unmasked_keys`)
+    facts = unmasked_keys if cp_size > 1 else causally_unmasked_keys
+    mark_unmasked(local["position_ids"], facts(fields["position_ids"], fields.get("attention_mask")))
     if index is not None:
         mark_layout(local["position_ids"], ShardLayout(layout, cp_size, cp_rank))
         mark_packed(local["position_ids"], packed)

@@ -47,6 +47,19 @@ def mark_unmasked(position_ids: torch.Tensor, unmasked: bool | None) -> None:
         setattr(position_ids, UNMASKED_MARK, unmasked)
 
 
+def causally_unmasked_keys(position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool | None:
+    """Whether every real query of the global batch, attending causally, sees only real keys of its
+    own document: one document a row (`unmasked_keys` without the mask) whose padding, if any, all
+    comes after its real tokens. A right-padded key lies after every real query, so the unmasked
+    causal kernel is exact at every real token; a padded query's output differs, and nothing reads
+    it (its label is ignored, and no real token attends to it). For causal attention without CP
+    (adapters/hf_attention.py), where the model's attention is the mark's only reader."""
+    if not unmasked_keys(position_ids, None) or mask is None:
+        return unmasked_keys(position_ids, None)
+    real = mask.bool()
+    return bool((real[:, 1:] <= real[:, :-1]).all())  # never a real token after a padded one
+
+
 def unmasked_keys(position_ids: torch.Tensor, mask: torch.Tensor | None) -> bool | None:
     """Whether every key of the global batch is real and of the row's one document: no zero in the 2-D
     padding `mask`, and `[B, S]` position ids counting 0, 1, ... (the CP rewrites' document of a token

@@ -12,10 +12,12 @@ without CP the same kernel, as an attention implementation of transformers' own 
 is: nothing `S x S` is built.
 
 Which kernel runs is `cp_unmasked`, a plain bool of the layer's call (`DocumentFeed.hand_to_layer`,
-from the mark `shard_batch` leaves on the position ids): the unmasked cuDNN blocks when no key of
-the batch is padded or of another document, else the masked kernel. Under `torch.compile` it is a
-constant of the layer's graph; without it (a batch `shard_batch` did not mark) the kernel reads the
-tags, eagerly, or takes the masked path, which is exact for any batch.
+from the mark `shard_batch` leaves on the position ids): the unmasked cuDNN blocks when no real
+query of the batch may see a padded key or one of another document under causality (one document
+a row, padded on the right if at all: `documents.causally_unmasked_keys`), else the masked kernel.
+Under `torch.compile` it is a constant of the layer's graph. A non-causal attention does not trust
+it (right padding would be visible there), nor does any call without it (a batch `shard_batch` did
+not mark): the kernel then reads the tags, eagerly, or takes the masked path, exact for any batch.
 """
 from __future__ import annotations
 
@@ -97,8 +99,8 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     kernel = select_kernel(query.device, query.dtype)
     masked_kernel = select_kernel(query.device, query.dtype, masked=True)
     causal = bool(getattr(module, "is_causal", True))
-    out = local_attention(query, key, value, tags, [0], causal, float(scale), kernel, masked_kernel, None,
-                          kwargs.get(UNMASKED_KWARG))
+    unmasked = kwargs.get(UNMASKED_KWARG) if causal else None  # the mark is a causal fact (module doc)
+    out = local_attention(query, key, value, tags, [0], causal, float(scale), kernel, masked_kernel, None, unmasked)
     return out.transpose(1, 2), None
 
 

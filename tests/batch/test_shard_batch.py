@@ -434,3 +434,22 @@ def test_user_num_items_and_shift_labels_pass_through():
     idx = local_indices(8, 2, 1, HEAD_TAIL)
     assert torch.equal(local["shift_labels"], shifted[:, idx])  # already shifted: not shifted again
     assert torch.equal(local["labels"], local["shift_labels"])  # only there so HF computes a loss
+
+
+@pytest.mark.parametrize("cp, pad, left, want", [
+    (1, 0, False, True), (1, 3, False, True), (1, 3, True, False),  # cp 1: right padding hides nothing causally
+    (2, 0, False, True), (2, 3, False, False),                          # CP: any padded key is masked
+])
+def test_the_unmasked_mark_without_and_with_cp(cp, pad, left, want):
+    """The kernels' unmasked fact on the local position ids: under CP strict (no key padded or of
+    another document); without CP causal (`documents.causally_unmasked_keys`), as the model's causal
+    attention reads it (adapters/hf_attention.py)."""
+    from cpcompile.documents import UNMASKED_MARK
+
+    batch = _batch(2, 8, mask_pad=pad)
+    if left:
+        batch["attention_mask"] = batch["attention_mask"].flip(-1)
+    for local in _all_local(batch, cp, CONTIGUOUS):
+        assert getattr(local["position_ids"], UNMASKED_MARK) is want
+    packed = {"input_ids": torch.randint(1, 11, (1, 8)), "position_ids": torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])}
+    assert getattr(_all_local(packed, cp, CONTIGUOUS)[0]["position_ids"], UNMASKED_MARK) is False

@@ -1,7 +1,8 @@
 """Without CP the trainer runs a model's softmax attention on the CP regions' local kernels
 (`adapters/hf_attention.py`), so that packed and padded batches build no S x S mask: the same
 logits (at real tokens), loss and every parameter gradient as transformers' own SDPA path with its
-dense mask, in float64, for unpadded, right-padded, left-padded and packed batches."""
+dense mask, in float64, for unpadded, right-padded, left-padded and packed batches. A right-padded
+batch runs the unmasked kernel (its padding lies after every real query), the others the masked one."""
 from __future__ import annotations
 
 import copy
@@ -11,7 +12,7 @@ import torch
 
 from cp_harness import VOCAB, tiny_llama, tiny_qwen3
 from cpcompile.adapters.hf_attention import route_attention, route_attention_without_cp
-from cpcompile.documents import mark_unmasked, positions_from_starts, unmasked_keys
+from cpcompile.documents import causally_unmasked_keys, mark_unmasked, positions_from_starts
 from cpcompile.errors import UnsupportedError
 from cpcompile.trainer.parallelize import decoder_layers
 
@@ -55,15 +56,22 @@ def run(model, inputs: dict, unmasked: bool | None):
 
 @pytest.mark.parametrize("build", [tiny_qwen3, tiny_llama], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("kind", ["unpadded", "right_padded", "left_padded", "packed"])
-def test_local_kernels_match_transformers_sdpa(build, kind):
+def test_local_kernels_match_transformers_sdpa(build, kind, monkeypatch):
+    import cpcompile.kernels.attention.local as local
+
+    paths = []
+    for name in ("chunk_attention", "tiled_attention"):
+        kernel = getattr(local, name)
+        monkeypatch.setattr(local, name, lambda *a, _k=kernel, _n=name, **kw: paths.append(_n) or _k(*a, **kw))
     reference = build(seed=3).double()
     routed = copy.deepcopy(reference)
     assert route_attention_without_cp(routed, decoder_layers(routed)) == len(decoder_layers(routed))
     inputs = batch(kind, seed=len(kind))
-    unmasked = unmasked_keys(inputs["position_ids"], inputs.get("attention_mask"))
-    assert unmasked == (kind == "unpadded")
+    unmasked = causally_unmasked_keys(inputs["position_ids"], inputs.get("attention_mask"))
+    assert unmasked == (kind in ("unpadded", "right_padded"))  # right padding: after every real query
     want_logits, want_loss, want_grads = run(reference, inputs, None)
     got_logits, got_loss, got_grads = run(routed, inputs, unmasked)
+    assert set(paths) == {"chunk_attention" if unmasked else "tiled_attention"}, paths
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-10, atol=1e-10)
     torch.testing.assert_close(got_loss, want_loss, rtol=1e-10, atol=1e-10)
     for name, grad in want_grads.items():
