@@ -113,6 +113,8 @@ def run_mode(args, loss: str, ac: str) -> dict:
         dry_run(train_config, memory_gib=args.memory_gib)
         return {"loss": loss, "ac": ac, "note": "dry run"}
     trainer = build_trainer(train_config)
+    if args.pad_fraction:
+        pad_rows(trainer.stream, args.pad_fraction)
     per_token = flops_per_token(trainer.model, args.seq_len)
     if is_rank_zero():
         params = sum(p.numel() for p in trainer.model.parameters())
@@ -135,8 +137,27 @@ def run_mode(args, loss: str, ac: str) -> dict:
     timed = timed_steps(records, warmup)
     seconds = sum(r["seconds"] for r in timed) / len(timed)
     peaks = [r["peak_memory_gib"] for r in records if r.get("peak_memory_gib") is not None]
-    return {"loss": loss, "ac": ac, "tokens_per_s": args.seq_len / seconds, "seconds": seconds,
+    real_tokens = args.seq_len - int(args.seq_len * args.pad_fraction)  # tokens/s counts the real ones
+    return {"loss": loss, "ac": ac, "tokens_per_s": real_tokens / seconds, "seconds": seconds,
             "peak_gib": max(peaks) if peaks else None, "mfu": per_token * args.seq_len / seconds / peak_flops}
+
+
+def pad_rows(stream, fraction: float) -> None:
+    """Right-pad every synthetic row: its last `fraction` of tokens masked and their labels ignored, as
+    a padded fine-tuning batch is (the padded step of issue 48; tokens/s then counts real tokens)."""
+    from cpcompile.batch import IGNORE_INDEX
+
+    row = stream.row
+
+    def padded(index: int):
+        ids, mask, labels = row(index)
+        cut = len(ids) - int(len(ids) * fraction)
+        mask, labels = mask.clone(), labels.clone()  # a synthetic row's labels are its ids
+        mask[cut:] = 0
+        labels[cut:] = IGNORE_INDEX
+        return ids, mask, labels
+
+    stream.row = padded
 
 
 @contextlib.contextmanager
@@ -258,6 +279,9 @@ def main() -> None:
                         help="train.verify: judge each step against unrewritten bf16 and float32 copies (parity)")
     parser.add_argument("--sdpa-backend", default=None, choices=tuple(SDPA_BACKENDS),
                         help="train.sdpa_backend: the one SDPA kernel of the attention CP does not rewrite")
+    parser.add_argument("--pad-fraction", type=float, default=0.0,
+                        help="right-pad each row's last fraction of tokens (mask 0, labels ignored); tokens/s counts "
+                             "the real tokens")
     parser.add_argument("--offload-layer-inputs", action="store_true",
                         help="train.offload_layer_inputs: the checkpointed layers' inputs in host memory until their "
                              "backward")

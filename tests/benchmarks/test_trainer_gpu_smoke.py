@@ -24,10 +24,11 @@ def test_trainer_gpu_prints_a_row_per_mode():
 
 def test_profile_prints_the_last_steps_ops_by_device_time():
     """`--profile`: PyTorch's profiler around the last step only, its table printed before that
-    step's line (on CPU sorted by CPU time); the matmuls of the step are in it."""
+    step's line (on CPU sorted by CPU time); the matmuls of the step are in it. The rows are
+    right-padded (`--pad-fraction`), as the padded-step measurement runs them."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_gpu.py"), "--small", "--device", "cpu",
-           "--steps", "2", "--seq-len", "64", "--profile"]
+           "--steps", "2", "--seq-len", "64", "--profile", "--pad-fraction", "0.25"]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     lines = res.stdout.splitlines()
