@@ -14,7 +14,7 @@
 #            (trainer_vs_hf.py, ~8 min), one rank's device memory through the pretrained load at
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
-#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k)
+#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -109,6 +109,23 @@ if has trainer; then
       2>&1 | tee "$out/compiled_cp.log" | grep "^|"
     timeout 250 python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 5 --profile > "$out/cp1_profile.log" 2>&1
     grep -E "^step|^\|" "$out/cp1_profile.log" | tail -3
+  fi
+  # what issue 48 still lacks, in one call (~9 min, each row cut at the shared deadline): the padded
+  # step (10% right padding, tokens/s in real tokens) beside the unpadded one, CP=2's last rank
+  # compiled and eager, and the HF Trainer row of issue 52 (hf_trainer_gpu.py)
+  if [ "$what" = remaining ]; then
+    end=$((SECONDS + 570)); left() { echo $((end - SECONDS - $1)); }
+    for pad in 0 0.1; do
+      timeout "$(left 420)" python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 5 --pad-fraction $pad \
+        2>&1 | tee "$out/padded_$pad.log" | grep -E "^\|" | tail -1
+    done
+    for backend in inductor eager; do
+      timeout "$(left 180)" python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K --sdpa all_gather \
+        --compile-backend $backend --ranks last --warmup 2 --steps 2 --max-seconds "$(left 185)" \
+        2>&1 | tee "$out/last_rank_$backend.log" | grep "^|" | tail -1
+    done
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 5)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 10)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
   fi
 fi
 if has multi && [ "$gpus" -ge 2 ]; then
