@@ -24,6 +24,7 @@ from __future__ import annotations
 import inspect
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..documents import DOCUMENTS_KWARG, UNMASKED_KWARG, DocumentFeed
@@ -92,7 +93,14 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     if key.shape[2] != query.shape[2]:
         raise UnsupportedError(f"{type(module).__name__}: {query.shape[2]} queries against {key.shape[2]} keys "
                                "(a cache): cpcompile's local attention routing is for training steps")
+    if kwargs.get("sliding_window") is not None:
+        raise UnsupportedError(f"{type(module).__name__}: a sliding window ({kwargs['sliding_window']}), which "
+                               "cpcompile's local attention without CP does not compute")
     positions = kwargs.get(DOCUMENTS_KWARG)  # the model call's, when handed down; else the layer's own
+    if positions is None and position_ids is None:
+        raise UnsupportedError(f"{type(module).__name__}: called without position ids, so the batch's documents are "
+                               "unknown; cpcompile's local attention needs the model to pass `position_ids` on")
+    value_size = value.shape[-1]
     tags = key_tags(position_ids if positions is None else positions, attention_mask, query.shape[0], key.shape[2],
                     query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -100,8 +108,12 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     masked_kernel = select_kernel(query.device, query.dtype, masked=True)
     causal = bool(getattr(module, "is_causal", True))
     unmasked = kwargs.get(UNMASKED_KWARG) if causal else None  # the mark is a causal fact (module doc)
+    # multi-head latent attention's value head size differs: zero-padded, as the CP rewrite does
+    # (passes/sdpa/fragments.equal_head_sizes: exact, the padded output columns cut off)
+    width = max(query.shape[-1], value.shape[-1])
+    query, key, value = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (query, key, value))
     out = local_attention(query, key, value, tags, [0], causal, float(scale), kernel, masked_kernel, None, unmasked)
-    return out.transpose(1, 2), None
+    return out[..., :value_size].transpose(1, 2), None
 
 
 def key_tags(position_ids: torch.Tensor | None, padding: torch.Tensor | None, batch: int, length: int,

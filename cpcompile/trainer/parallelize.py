@@ -83,9 +83,10 @@ def parallelize_model(model: torch.nn.Module, mesh: CPMesh, config: "TrainConfig
     cp_compile(model, mesh, config.plan, dump_dir=settings.dump_dir, example_inputs=example)
     if progress is not None:
         progress.at("start")
-    if config.plan.cp_size == 1 and settings.sdpa_backend is None:
+    if config.plan.cp_size == 1 and settings.sdpa_backend is None and settings.device in ("cuda", "cpu"):
         # the CP regions' attention kernels without CP: no S x S mask (adapters/hf_attention.py); a pinned
-        # SDPA backend (train.sdpa_backend) keeps transformers' own SDPA call, which that setting names
+        # SDPA backend (train.sdpa_backend) keeps transformers' own SDPA call, which that setting names, and
+        # devices without those kernels (npu) keep it too
         route_attention_without_cp(model, decoder_layers(model))
     routed = use_cpcompile_gdn(model, settings.gdn_backend, config.data.packing, settings.gdn_checkpoint_around_core)
     if settings.gdn_checkpoint_around_core and not routed:

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from cp_harness import VOCAB, tiny_llama, tiny_qwen3
-from cpcompile.adapters.hf_attention import route_attention, route_attention_without_cp
+from cpcompile.adapters.hf_attention import local_attention_forward, route_attention, route_attention_without_cp
 from cpcompile.documents import causally_unmasked_keys, mark_unmasked, positions_from_starts
-from cpcompile.errors import UnsupportedError
+from cpcompile.errors import CPInputError, UnsupportedError
 from cpcompile.trainer.parallelize import decoder_layers
 
 S = 24
@@ -78,6 +78,25 @@ def test_local_kernels_match_transformers_sdpa(build, kind, monkeypatch):
         torch.testing.assert_close(got_grads[name], grad, rtol=1e-8, atol=1e-10, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.parametrize("name", ["gpt_neox", "falcon", "phi3", "deepseek_v3"])
+def test_other_architectures_match_too(name):
+    """Other attention layouts: GPT-NeoX's fused QKV, Falcon's one KV head, Phi-3, and DeepSeek-V3's
+    latent attention, whose value head size differs from the query's (zero-padded for the kernels)."""
+    from model_zoo import build
+
+    dense = {"first_k_dense_replace": 2} if name == "deepseek_v3" else {}  # its MoE's grouped matmul takes no float64
+    reference = build(name, seed=9, **dense).double()
+    routed = copy.deepcopy(reference)
+    route_attention(routed)
+    for kind in ("right_padded", "packed"):
+        inputs = batch(kind, seed=11)
+        want_logits, want_loss, want_grads = run(reference, inputs, None)
+        got_logits, got_loss, got_grads = run(routed, inputs, None)
+        torch.testing.assert_close(got_logits, want_logits, rtol=1e-10, atol=1e-10)
+        for grad_name, grad in want_grads.items():
+            torch.testing.assert_close(got_grads[grad_name], grad, rtol=1e-8, atol=1e-10)
+
+
 def test_a_wrong_unmasked_fact_is_caught():
     """Negative control: told a packed batch is unmasked, the kernel attends across documents, and the
     comparison above fails."""
@@ -113,3 +132,14 @@ def test_sliding_windows_are_refused():
     model = tiny_qwen3(seed=8, use_sliding_window=True, sliding_window=4, max_window_layers=0)
     with pytest.raises(UnsupportedError, match="sliding window"):
         route_attention(model)
+
+
+@pytest.mark.parametrize("kwargs, error, words", [
+    (dict(dropout=0.1, position_ids=torch.arange(4)[None]), CPInputError, "dropout"),
+    (dict(position_ids=None), UnsupportedError, "without position ids"),
+    (dict(position_ids=torch.arange(4)[None], sliding_window=2), UnsupportedError, "sliding window"),
+])
+def test_calls_it_cannot_compute_are_refused(kwargs, error, words):
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(error, match=words):
+        local_attention_forward(torch.nn.Module(), q, q, q, None, **kwargs)
