@@ -43,8 +43,9 @@ def route_attention(model: nn.Module) -> None:
         raise UnsupportedError(f"{windows[0]} attends within a sliding window, which cpcompile's local attention "
                                "without CP does not compute; run the model with cp_size > 1 or without windows")
     register()
-    model.config._attn_implementation = NAME
-    for config in _sub_configs(model.config):
+    # the text model's layers read their implementation from the text config (a composite model's
+    # other towers, a vision encoder's attention, keep theirs)
+    for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         config._attn_implementation = NAME
 
 
@@ -87,22 +88,11 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     """transformers' attention-function contract: `query [B, Hq, S, D]`, `key`/`value [B, Hkv, S, D]`
     (before any repeat: the kernels take grouped heads), `attention_mask` what `padding_mask` returned;
     -> (`[B, S, Hq, D]`, None)."""
-    if dropout:
-        raise CPInputError(f"{type(module).__name__}: attention dropout ({dropout}) is not supported by cpcompile's "
-                           "local attention kernels; set the model's attention dropout to 0")
-    if key.shape[2] != query.shape[2]:
-        raise UnsupportedError(f"{type(module).__name__}: {query.shape[2]} queries against {key.shape[2]} keys "
-                               "(a cache): cpcompile's local attention routing is for training steps")
-    if kwargs.get("sliding_window") is not None:
-        raise UnsupportedError(f"{type(module).__name__}: a sliding window ({kwargs['sliding_window']}), which "
-                               "cpcompile's local attention without CP does not compute")
     positions = kwargs.get(DOCUMENTS_KWARG)  # the model call's, when handed down; else the layer's own
-    if positions is None and position_ids is None:
-        raise UnsupportedError(f"{type(module).__name__}: called without position ids, so the batch's documents are "
-                               "unknown; cpcompile's local attention needs the model to pass `position_ids` on")
+    positions = position_ids if positions is None else positions
+    refuse_what_it_cannot_compute(module, query, key, dropout, positions, kwargs.get("sliding_window"))
     value_size = value.shape[-1]
-    tags = key_tags(position_ids if positions is None else positions, attention_mask, query.shape[0], key.shape[2],
-                    query.device)
+    tags = key_tags(positions, attention_mask, query.shape[0], key.shape[2], query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     kernel = select_kernel(query.device, query.dtype)
     masked_kernel = select_kernel(query.device, query.dtype, masked=True)
@@ -116,23 +106,31 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     return out[..., :value_size].transpose(1, 2), None
 
 
-def key_tags(position_ids: torch.Tensor | None, padding: torch.Tensor | None, batch: int, length: int,
+def refuse_what_it_cannot_compute(module: nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,
+                                  positions: torch.Tensor | None, sliding_window) -> None:
+    where = type(module).__name__
+    if dropout:
+        raise CPInputError(f"{where}: attention dropout ({dropout}) is not supported by cpcompile's local attention "
+                           "kernels; set the model's attention dropout to 0")
+    if key.shape[2] != query.shape[2]:
+        raise UnsupportedError(f"{where}: {query.shape[2]} queries against {key.shape[2]} keys (a cache): cpcompile's "
+                               "local attention routing is for training steps")
+    if sliding_window is not None:
+        raise UnsupportedError(f"{where}: a sliding window ({sliding_window}), which cpcompile's local attention "
+                               "without CP does not compute")
+    if positions is None:
+        raise UnsupportedError(f"{where}: called without position ids, so the batch's documents are unknown; "
+                               "cpcompile's local attention needs the model to pass `position_ids` on")
+
+
+def key_tags(position_ids: torch.Tensor, padding: torch.Tensor | None, batch: int, length: int,
              device: torch.device) -> torch.Tensor:
     """`[B, S]` int64, as `kernels/attention/layout.py` defines them: where each key's document starts
     (its position minus its position id; position ids restart at 0 at each packed document), or
     −(that + 1) for a padded key."""
-    here = torch.arange(length, device=device)
-    if position_ids is None:
-        starts = torch.zeros(batch, length, dtype=torch.long, device=device)
-    else:
-        positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # multimodal [n, B, S]: text first
-        starts = (here - positions.long()).expand(batch, length)
+    positions = position_ids[0] if position_ids.dim() == 3 else position_ids  # multimodal [n, B, S]: text first
+    starts = (torch.arange(length, device=device) - positions.long()).expand(batch, length)
     if padding is None:
         return starts.contiguous()
     return torch.where(padding.bool(), starts, -starts - 1)
 
-
-def _sub_configs(config) -> list:
-    """The text (and other) sub-configs a composite model's layers read their implementation from."""
-    names = getattr(config, "sub_configs", None) or {}
-    return [sub for name in names if (sub := getattr(config, name, None)) is not None]
