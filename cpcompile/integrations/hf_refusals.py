@@ -13,12 +13,12 @@ from ..plan import Plan
 _PREFIX = "cpcompile.integrations.transformers"
 
 
-def refuse_unsupported_trainer(trainer: Any, plan: Plan, world_size: int) -> None:
-    """Every setting of `trainer` and `plan` the integration cannot run exactly."""
+def refuse_unsupported_trainer(trainer: Any, plan: Plan, world_size: int, fsdp: bool = False) -> None:
+    """Every setting of `trainer` and `plan` the integration cannot run exactly (`fsdp`: context_parallel's)."""
     args = trainer.args
     _refuse_engines(trainer, args)
     _refuse_own_context_parallelism(trainer, args)
-    _refuse_topology(plan, world_size)
+    _refuse_topology(plan, world_size, fsdp)
     _refuse_loss_paths(trainer, args)
 
 
@@ -29,8 +29,10 @@ def _refuse_engines(trainer: Any, args: Any) -> None:
         raise CPConfigError(f"{_PREFIX}: DeepSpeed (args.deepspeed) is not supported with CP; "
                             "train with DDP (plain torchrun) instead")
     if getattr(args, "fsdp", None) or getattr(trainer, "is_fsdp_enabled", False):
-        raise CPConfigError(f"{_PREFIX}: FSDP (args.fsdp / fsdp_config) is not supported yet with CP; "
-                            "train with DDP (plain torchrun), or use `cpcompile train` for FSDP2 over dp x cp")
+        # on CPU accelerate 1.16 drops its FSDP plugin and trains with DDP; on GPU its wrapping and
+        # gradient scale under CP are not proven here (docs/hf_trainer.md, FSDP2)
+        raise CPConfigError(f"{_PREFIX}: accelerate's FSDP (args.fsdp / fsdp_config) is not supported with CP; "
+                            "remove it and pass context_parallel(trainer, plan, fsdp=True) for FSDP2 over dp x cp")
     if getattr(args, "n_gpu", 1) > 1:
         raise CPConfigError(f"{_PREFIX}: torch.nn.DataParallel (n_gpu={args.n_gpu} in one process) is not "
                             "supported; launch one process per device with torchrun")
@@ -49,20 +51,25 @@ def _refuse_own_context_parallelism(trainer: Any, args: Any) -> None:
                 "parallelism_config and let the plan's cp_size split the sequence")
 
 
-def _refuse_topology(plan: Plan, world_size: int) -> None:
+def _refuse_topology(plan: Plan, world_size: int, fsdp: bool) -> None:
     acc = plan.accelerator
     if acc.tp_size > 1 or acc.pp_size > 1 or acc.ep_size > 1:
         raise CPConfigError(f"{_PREFIX}: the plan sets tp_size={acc.tp_size}, pp_size={acc.pp_size}, "
                             f"ep_size={acc.ep_size}; under a Trainer only dp x cp is supported")
-    if acc.dp_shard_size > 1:
-        raise CPConfigError(f"{_PREFIX}: the plan sets dp_shard_size={acc.dp_shard_size} (FSDP), which the "
-                            "Trainer integration does not support; the Trainer replicates over dp with DDP")
+    if acc.dp_shard_size > 1 and not fsdp:
+        raise CPConfigError(f"{_PREFIX}: the plan sets dp_shard_size={acc.dp_shard_size} (FSDP) but context_parallel "
+                            "was not given fsdp=True; pass it, or name dp_replicate_size for DDP")
+    if fsdp and acc.dp_replicate_size > 1:
+        # HSDP (replicate x shard) is what cpcompile's trainer runs; not proven under the Trainer
+        raise CPConfigError(f"{_PREFIX}: fsdp=True with dp_replicate_size={acc.dp_replicate_size} (HSDP) is not "
+                            "supported; name dp_shard_size (or no dp size) in the plan")
     if world_size % acc.cp_size:
         raise CPConfigError(f"{_PREFIX}: world size {world_size} is not divisible by the plan's "
                             f"cp_size={acc.cp_size} (world = dp x cp)")
-    if acc.dp_replicate_size > 1 and acc.dp_replicate_size * acc.cp_size != world_size:
-        raise CPConfigError(f"{_PREFIX}: the plan sets dp_replicate_size={acc.dp_replicate_size} and "
-                            f"cp_size={acc.cp_size}, but the job has {world_size} processes")
+    dp = acc.dp_replicate_size * acc.dp_shard_size
+    if dp > 1 and dp * acc.cp_size != world_size:
+        raise CPConfigError(f"{_PREFIX}: the plan sets dp_replicate_size={acc.dp_replicate_size}, dp_shard_size="
+                            f"{acc.dp_shard_size} and cp_size={acc.cp_size}, but the job has {world_size} processes")
 
 
 def _refuse_loss_paths(trainer: Any, args: Any) -> None:

@@ -15,6 +15,8 @@ and why each step keeps the CP=1 numbers (docs/hf_trainer.md):
   so each rank's HF loss is its share of the CP=1 mean. The Trainer's own scaling by the number of
   processes then undoes DDP's mean over dp x cp: the gradient is the sum over the cp group and the
   mean over dp, the logged loss the CP=1 loss. Evaluation runs the same path (loss only);
+- `fsdp=True`: FSDP2 over dp x cp instead of DDP (`hf_fsdp`: PyTorch's `fully_shard`, the same
+  gradient scale); `save_model` gathers the full state dict;
 - what it cannot run exactly is refused before any step (`hf_refusals`).
 
 `ContextParallelMixin` is the same thing as a class, for a script that defines its own subclass:
@@ -22,6 +24,7 @@ and why each step keeps the CP=1 numbers (docs/hf_trainer.md):
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +38,7 @@ from ..mesh import CPMesh, build_mesh
 from ..pipeline import compile as cp_compile
 from ..plan import Plan, load_plan
 from .hf_data import count_targets, shard_over_dp
+from .hf_fsdp import full_state_dict, leave_reduction_to_model, shard_compiled_model
 from .hf_refusals import packing_is_on, refuse_packing_without_positions, refuse_unsupported_trainer
 
 __all__ = ["ContextParallelMixin", "context_parallel"]
@@ -50,6 +54,7 @@ class CPSetup:
     dp_rank: int
     pad_token_id: int
     packing: bool
+    fsdp: bool = False
     compiled: bool = False
 
     @property
@@ -57,21 +62,24 @@ class CPSetup:
         return self.mesh.cp_size
 
 
-def context_parallel(trainer: Any, plan: Any, *, dump_dir: str | None = None) -> Any:
+def context_parallel(trainer: Any, plan: Any, *, fsdp: bool = False, dump_dir: str | None = None) -> Any:
     """`trainer` (a `transformers.Trainer` or subclass, not yet trained) made context parallel by
     `plan` (a YAML path, a dict or a `cpcompile.Plan`); returns the same object, its class given
-    `ContextParallelMixin`. `dump_dir`: cpcompile's debug dump of the rewritten regions."""
+    `ContextParallelMixin`. `fsdp`: shard the model with FSDP2 over dp x cp (PyTorch's `fully_shard`,
+    applied here) instead of the Trainer's DDP. `dump_dir`: cpcompile's debug dump of the rewritten regions."""
     if getattr(trainer, "_cp", None) is not None:
         raise CPConfigError("cpcompile.integrations.transformers: context_parallel was already applied to this trainer")
     plan = load_plan(plan)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    refuse_unsupported_trainer(trainer, plan, world)
-    plan = _plan_for_world(plan, world)
+    refuse_unsupported_trainer(trainer, plan, world, fsdp)
+    plan = _plan_for_world(plan, world, fsdp)
     mesh = build_mesh(plan.accelerator, device_type=trainer.args.device.type)
     cp = plan.cp_size
     # cpcompile's mesh is (pp, dp_replicate, dp_shard, cp, tp) with pp = tp = 1 here: cp is inner
     dp_rank = (dist.get_rank() if dist.is_initialized() else 0) // cp
-    trainer._cp = CPSetup(plan, mesh, world // cp, dp_rank, _pad_token_id(trainer), packing_is_on(trainer))
+    if fsdp:
+        leave_reduction_to_model(trainer)
+    trainer._cp = CPSetup(plan, mesh, world // cp, dp_rank, _pad_token_id(trainer), packing_is_on(trainer), fsdp)
     trainer._cp_dump_dir = dump_dir
     if not isinstance(trainer, ContextParallelMixin):
         trainer.__class__ = _with_mixin(type(trainer))
@@ -127,6 +135,27 @@ class ContextParallelMixin:
             return None, None, None
         return super().prediction_step(model, inputs, True, ignore_keys=ignore_keys)
 
+    # ---------------------------------------------------------------- FSDP2 (fsdp=True): accumulation, saving
+
+    @contextlib.contextmanager
+    def _defer_fsdp_gradient_reduction(self):
+        # the Trainer's own reads the model's `config.distributed_config` (a model sharded by
+        # from_pretrained), which a model sharded here has not: one dp x cp mesh, no replicas
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        if not self._cp.fsdp:
+            return super().save_model(output_dir, _internal_call)
+        state_dict = full_state_dict(self.model)  # a collective: every rank, rank 0 gets the weights
+        if self.args.should_save:
+            self._save(output_dir or self.args.output_dir, state_dict=state_dict)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
     def _local_batch(self, inputs: dict, num_items_in_batch) -> dict:
         setup = self._cp
         if setup.packing:
@@ -144,6 +173,8 @@ class ContextParallelMixin:
         example = {k: v for k, v in local.items() if k not in ("labels", "shift_labels")}
         cp_compile(self.model, self._cp.mesh, self._cp.plan, example_inputs=example,
                    dump_dir=getattr(self, "_cp_dump_dir", None))
+        if self._cp.fsdp:
+            shard_compiled_model(self, self._cp.mesh)  # after compile, as cpcompile's trainer does
         self._cp.compiled = True
 
 
@@ -155,12 +186,14 @@ def _mean_over(loss: torch.Tensor, group) -> torch.Tensor:
     return loss / dist.get_world_size(group)
 
 
-def _plan_for_world(plan: Plan, world: int) -> Plan:
-    """The plan with dp = world / cp when it names no dp size (a suggested plan names cp only)."""
+def _plan_for_world(plan: Plan, world: int, fsdp: bool) -> Plan:
+    """The plan with dp = world / cp when it names no dp size (a suggested plan names cp only):
+    replicated (DDP), or sharded with `fsdp` (FSDP2 over dp_shard x cp)."""
     acc = plan.accelerator
     if acc.world_size == world:
         return plan
-    acc = dataclasses.replace(acc, dp_replicate_size=world // acc.cp_size)
+    dp_name = "dp_shard_size" if fsdp else "dp_replicate_size"
+    acc = dataclasses.replace(acc, **{dp_name: world // acc.cp_size})
     return dataclasses.replace(plan, accelerator=acc).validate()
 
 

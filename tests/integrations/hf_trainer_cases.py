@@ -80,9 +80,9 @@ def pad_collator(features: list[dict]) -> dict:
 
 
 def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, grad_accum: int = 1,
-             average_tokens: bool = True) -> dict:
+             average_tokens: bool = True, fsdp: bool = False) -> dict:
     """Train `STEPS` steps and evaluate once; `cp=None`: the plain Trainer (no cpcompile at all).
-    `average_tokens`: TrainingArguments.average_tokens_across_devices."""
+    `average_tokens`: TrainingArguments.average_tokens_across_devices; `fsdp`: context_parallel's FSDP2."""
     from transformers import DataCollatorWithFlattening, Trainer, TrainingArguments
 
     start = time.perf_counter()
@@ -103,7 +103,7 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
         from cpcompile.integrations.transformers import context_parallel
 
         plan = cpcompile.suggest_plan(make_model(name, seed), cp, PLAN_LENGTH, gdn_backend="eager").plan
-        trainer = context_parallel(trainer, plan=plan)
+        trainer = context_parallel(trainer, plan=plan, fsdp=fsdp)
     trainer.train()
     history = trainer.state.log_history
     return {"loss": [h["loss"] for h in history if "loss" in h],
@@ -116,12 +116,17 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
 def _saved_matches(trainer, name: str, out_dir: str) -> float | None:
     """Save a normal checkpoint and load it back with `from_pretrained`: the largest difference to
     the trained parameters (None on ranks that do not save)."""
+    from cpcompile.integrations.hf_fsdp import full_state_dict, is_sharded
+
     folder = os.path.join(out_dir, "final")
     trainer.save_model(folder)
+    sharded = is_sharded(trainer.model)
+    want = full_state_dict(trainer.model) if sharded else trainer.model.state_dict()  # every rank gathers
     if not trainer.is_world_process_zero():
         return None
-    loaded = type(trainer.model).from_pretrained(folder, torch_dtype=trainer.model.dtype)
-    want = trainer.model.state_dict()
+    # FSDP2 gave the model a class FSDP<its class> (FSDPModule first): load with the model's own
+    model_class = type(trainer.model).__bases__[-1] if sharded else type(trainer.model)
+    loaded = model_class.from_pretrained(folder, torch_dtype=next(iter(want.values())).dtype)
     got = loaded.state_dict()
     assert set(got) == set(want), sorted(set(got) ^ set(want))
     return max((got[k].double() - want[k].double()).abs().max().item() for k in want)

@@ -1,8 +1,9 @@
 """Issue 52 items 2-3: a stock Hugging Face `Trainer` at cp 2 and cp 4 (`context_parallel`, gloo)
 equals the same Trainer in one process, step by step: loss within 1e-5 relative over 5 steps,
 gradient norm, eval loss, token count, and a checkpoint `from_pretrained` reads back; tiny Llama
-and tiny Qwen3.5, padded and packed (DataCollatorWithFlattening) batches, gradient accumulation.
-One launch per world size runs every case."""
+and tiny Qwen3.5, padded and packed (DataCollatorWithFlattening) batches, gradient accumulation,
+gradients reduced by DDP or by FSDP2 over dp x cp (`fsdp=True`). One launch per world size and
+reduction runs every case."""
 from __future__ import annotations
 
 import random
@@ -14,9 +15,12 @@ from hf_trainer_cases import fresh_out_dir, run_case
 
 pytest.importorskip("accelerate")
 
-# (model, packed, gradient accumulation steps[, average_tokens_across_devices])
+# (model, packed, gradient accumulation steps[, average_tokens_across_devices]); every case has its
+# one-process reference, each runs at cp 2 with DDP or with FSDP2, some at cp 4 too (CI time)
 CASES = [("llama", False, 1), ("llama", True, 2), ("qwen3_5", False, 2), ("qwen3_5", True, 1)]
-CASES_AT_4 = [("llama", True, 2), ("qwen3_5", False, 2)]  # one of each model at cp 4 (CI time): packed, padded
+CASES_FSDP2 = [("qwen3_5", False, 2)]  # context_parallel(fsdp=True): padded, gradient accumulation
+CASES_DDP = [case for case in CASES if case not in CASES_FSDP2]
+CASES_AT_4 = [("llama", True, 2), ("qwen3_5", False, 2)]  # one of each model at cp 4: packed, padded
 
 
 def _reset_accelerate() -> None:
@@ -26,9 +30,9 @@ def _reset_accelerate() -> None:
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
-def _run_all(rank: int, world: int, seed: int, cp: int | None, cases=tuple(CASES)) -> dict:
+def _run_all(rank: int, world: int, seed: int, cp: int | None, cases=tuple(CASES), fsdp: bool = False) -> dict:
     _reset_accelerate()
-    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), *case[2:]) for case in cases}
+    return {case: run_case(*case[:2], seed, cp, fresh_out_dir(), *case[2:], fsdp=fsdp) for case in cases}
 
 
 def _close(got: float, want: float, tol: float) -> bool:
@@ -36,10 +40,11 @@ def _close(got: float, want: float, tol: float) -> bool:
 
 
 def test_trainer_at_cp_2_and_4_equals_one_process():
+    """cp 2 with DDP (the Trainer's) and with FSDP2 (`fsdp=True`: also the full checkpoint), cp 4 with DDP."""
     seed = random.randrange(1 << 20)
     reference = run_distributed(_run_all, 1, seed, None, timeout=300, init_pg=False)[0]
-    for cp, cases in ((2, CASES), (4, CASES_AT_4)):
-        got = run_distributed(_run_all, cp, seed, cp, tuple(cases), timeout=300)
+    for cp, cases, fsdp in ((2, CASES_DDP, False), (2, CASES_FSDP2, True), (4, CASES_AT_4, False)):
+        got = run_distributed(_run_all, cp, seed, cp, tuple(cases), fsdp, timeout=300)
         _assert_same_run(got, {case: reference[case] for case in cases}, cp, seed)
 
 

@@ -32,7 +32,7 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     """(exception class name, message) of what `context_parallel` (or the first step) raised."""
     from cpcompile.integrations.transformers import context_parallel
 
-    trainer, cp = _trainer(), 2
+    trainer, cp, plan_changes, fsdp = _trainer(), 2, {}, False
     if rule == "deepspeed":
         trainer.args.deepspeed = "ds_zero3.json"  # set after init: DeepSpeed itself need not be installed
     elif rule == "parallelism_config":
@@ -41,11 +41,17 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
         trainer.args.parallelism_config = ParallelismConfig(cp_size=2)
     elif rule == "fsdp":
         trainer.args.fsdp = "full_shard"
+    elif rule == "dp_shard_without_fsdp":
+        plan_changes = {"dp_shard_size": 2}
+    elif rule == "fsdp_optimizer_checkpoints":
+        trainer.args.save_strategy, cp, fsdp = "steps", 1, True
     elif rule == "packing_without_positions":
         trainer.args.padding_free = True  # TRL's SFTConfig field
         cp = 1
+    plan = _plan(cp)
+    plan["accelerator"].update(plan_changes)
     try:
-        trainer = context_parallel(trainer, plan=_plan(cp))
+        trainer = context_parallel(trainer, plan=plan, fsdp=fsdp)
         if rule == "packing_without_positions":
             import torch
 
@@ -59,7 +65,9 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
 @pytest.mark.parametrize("rule, error, words", [
     ("deepspeed", "CPConfigError", ("DeepSpeed", "args.deepspeed")),
     ("parallelism_config", "CPConfigError", ("parallelism_config", "cp_size")),
-    ("fsdp", "CPConfigError", ("FSDP",)),
+    ("fsdp", "CPConfigError", ("accelerate's FSDP", "args.fsdp", "fsdp=True")),
+    ("dp_shard_without_fsdp", "CPConfigError", ("dp_shard_size=2", "fsdp=True")),
+    ("fsdp_optimizer_checkpoints", "CPConfigError", ("fsdp=True", "optimizer state", "save_only_model")),
     ("packing_without_positions", "CPInputError", ("packing", "position_ids")),
     ("world_not_divisible", "CPConfigError", ("world size 1", "not divisible", "cp_size=2")),
 ])
