@@ -34,6 +34,13 @@ _PREFIX = "cpcompile.integrations.transformers"
 def leave_reduction_to_model(trainer: Any) -> None:
     """Before training: the Trainer will not wrap the model in DDP (FSDP2 comes at the first batch)."""
     refuse_fsdp_trainer(trainer)
+    if not hasattr(trainer, "is_distributed_loading_by_transformers"):
+        # an older Trainer would wrap the model in DDP too, and its gradients would be reduced twice
+        import transformers
+
+        raise CPConfigError(f"{_PREFIX}: fsdp=True needs a Trainer that can leave gradient reduction to the model "
+                            f"(`is_distributed_loading_by_transformers`), which transformers {transformers.__version__} "
+                            "lacks; upgrade transformers (5.25 is tested) or train with DDP (fsdp=False)")
     # read by Trainer._prepare_for_training (no DDP: prepared for autocast only) and its accumulation
     # loop (once sharded, FSDP2's reduce-scatter deferred to the window's last micro-batch)
     trainer.is_distributed_loading_by_transformers = True
@@ -42,6 +49,9 @@ def leave_reduction_to_model(trainer: Any) -> None:
 def shard_compiled_model(trainer: Any, mesh: CPMesh) -> None:
     """`fully_shard` the compiled `trainer.model` over dp x cp; the optimizer, if built, follows."""
     model = trainer.model
+    if trainer.model_wrapped is not model:  # DDP around it would reduce the gradients a second time
+        raise CPConfigError(f"{_PREFIX}: fsdp=True, but the Trainer wrapped the model in "
+                            f"{type(trainer.model_wrapped).__name__}; FSDP2 reduces its gradients itself")
     before = dict(model.named_parameters())
     sharding = fsdp_mesh(mesh)
     for layer in decoder_layers(model):

@@ -45,6 +45,9 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
         plan_changes = {"dp_shard_size": 2}
     elif rule == "fsdp_optimizer_checkpoints":
         trainer.args.save_strategy, cp, fsdp = "steps", 1, True
+    elif rule == "fsdp_on_an_older_trainer":  # one that cannot leave gradient reduction to the model
+        del trainer.is_distributed_loading_by_transformers
+        trainer.args.save_strategy, cp, fsdp = "no", 1, True
     elif rule == "packing_without_positions":
         trainer.args.padding_free = True  # TRL's SFTConfig field
         cp = 1
@@ -68,6 +71,7 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     ("fsdp", "CPConfigError", ("accelerate's FSDP", "args.fsdp", "fsdp=True")),
     ("dp_shard_without_fsdp", "CPConfigError", ("dp_shard_size=2", "fsdp=True")),
     ("fsdp_optimizer_checkpoints", "CPConfigError", ("fsdp=True", "optimizer state", "save_only_model")),
+    ("fsdp_on_an_older_trainer", "CPConfigError", ("fsdp=True", "is_distributed_loading_by_transformers")),
     ("packing_without_positions", "CPInputError", ("packing", "position_ids")),
     ("world_not_divisible", "CPConfigError", ("world size 1", "not divisible", "cp_size=2")),
 ])
