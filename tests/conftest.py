@@ -29,9 +29,8 @@ os.environ.setdefault("CPCOMPILE_STRICT_COLLECTIVES", "1")
 # needs, and a few torch modules that a rank's first export or FSDP wrap would import).
 # Imports only: no op runs here, so no thread pool exists before a fork (see dist_utils' note on
 # libgomp); importing transformers starts no thread either. An earlier try with transformers here
-# (Dec 2) saw tests/plan/test_mesh.py::test_four_gloo_ranks hang in runs of tests/plan; on Dec 6,
-# with `free_port`'s fix of Dec 3 (no ephemeral ports), it passed in every run of tests/plan and
-# of the whole suite.
+# (Dec 2) saw tests/plan/test_mesh.py::test_four_gloo_ranks hang in runs of tests/plan; on Dec 6
+# it passed in 3 runs of tests/plan. If it hangs again, look here first.
 import warnings  # noqa: E402
 
 with warnings.catch_warnings():  # an import-time torch.jit deprecation notice, not the tests'
