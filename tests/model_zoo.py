@@ -59,6 +59,11 @@ def _configs() -> dict:
     }
 
 
+def import_architectures() -> None:
+    """Import every architecture's transformers modules now (conftest: forked ranks inherit them)."""
+    _configs()
+
+
 def build(name: str, seed: int, dtype=torch.float32, **config) -> torch.nn.Module:
     config_class, model_class, fields = _configs()[name]
     torch.manual_seed(seed)
