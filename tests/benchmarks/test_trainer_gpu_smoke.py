@@ -12,14 +12,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def test_trainer_gpu_prints_a_row_per_mode():
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_gpu.py"), "--small", "--device", "cpu",
-           "--steps", "1", "--seq-len", "64", "--loss", "chunked,full", "--ac", "off,every_layer",
-           "--loss-chunk-tokens", "16"]
+           "--steps", "1", "--seq-len", "64", "--loss", "chunked,full", "--ac", "every_layer",
+           "--loss-chunk-tokens", "16"]  # AC off is the trainer tests' (tests/train/test_activation_checkpointing.py)
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     rows = [line.split("|")[1:3] for line in res.stdout.splitlines() if line.startswith("| ") and "tokens/s" not in line]
     modes = [(loss.strip(), ac.strip()) for loss, ac in rows]
-    assert modes == [("chunked", "off"), ("chunked", "every_layer"), ("full", "off"), ("full", "every_layer")], \
-        res.stdout
+    assert modes == [("chunked", "every_layer"), ("full", "every_layer")], res.stdout
 
 
 def test_profile_prints_the_last_steps_ops_by_device_time():
