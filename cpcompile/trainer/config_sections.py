@@ -40,7 +40,9 @@ EAGER = "eager"  # train.compile_backend: eager runs the decoder layers uncompil
 # train.compile_backend when the config leaves it null, per device, without CP: inductor on CUDA (one
 # H200, the 0.57B model at 32K tokens: 35.3K tokens/s against eager's 24.6K, docs/trainer.md). With
 # CP (cp_size > 1) null means eager on every device: compiled layers holding CP regions are proven on
-# CPU (aot_eager, gloo) but have not run over NCCL yet. `eager` stays eager whatever this says.
+# CPU (aot_eager, gloo) and are 2x eager on one H100's simulated rank (0.753 against 1.54 s a step,
+# benchmarks/results/compiled_cp_2026-12-06_NVIDIA-H100.md), but have not run over NCCL yet: set
+# `inductor` to have them. `eager` stays eager whatever this says.
 DEFAULT_COMPILE_BACKENDS: dict[str, str] = {"cpu": EAGER, "cuda": "inductor", "npu": EAGER}
 
 
