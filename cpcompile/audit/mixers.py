@@ -272,8 +272,8 @@ def moved_tokens(before, after, tokens: TokenBatch, position: int) -> str | None
         axis = tokens.axis(old)
         if axis is None or old.shape != new.shape:
             continue
-        scale = tokens.per_token(old, axis).max().item()
-        change = tokens.per_token(new, axis, minus=old)
+        scale = tokens.per_token(old).max().item()
+        change = tokens.per_token(new, minus=old)
         moved = change.nan_to_num(0.0) > MOVED * max(scale, 1e-30)
         moved[0, position] = False
         later += int(moved[0, position + 1:].sum())

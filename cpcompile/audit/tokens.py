@@ -35,11 +35,11 @@ class TokenBatch:
             return 0
         return None
 
-    def per_token(self, tensor: torch.Tensor, axis: int, minus: torch.Tensor | None = None) -> torch.Tensor:
-        """`[B, S]`: the largest absolute entry of each token of `tensor` (token axis `axis`), or of
-        `tensor - minus`. Token-major in both layouts, so it runs over slices of tokens: a wide output
-        (the logits of a large vocabulary: 18.5 GiB in float32 at 32K tokens) is never copied whole."""
-        del axis  # `[B, S, ...]` and `[B·S, ...]` flatten alike, token by token
+    def per_token(self, tensor: torch.Tensor, minus: torch.Tensor | None = None) -> torch.Tensor:
+        """`[B, S]`: the largest absolute entry of each token of `tensor` (laid out `[B, S, ...]` or
+        `[B·S, ...]`: both flatten token by token), or of `tensor - minus`. It runs over slices of
+        tokens: a wide output (the logits of a large vocabulary: 18.5 GiB in float32 at 32K tokens)
+        is never copied whole."""
         rows = self.batch * self.length
         flat = tensor.detach().reshape(rows, -1)
         other = minus.detach().reshape(rows, -1) if minus is not None else None
