@@ -147,7 +147,9 @@ def test_the_fine_tuning_starts_from_the_pretrained_models_loss(folders, trained
     batch = TokenStream(config.data, config.train, VOCAB_SIZE).batch(0)
     assert (batch["labels"] == -100).any() and (batch["labels"] != -100).any()
     expected = transformers_loss(folders["qwen3_5_chat"], batch)
-    assert abs(out["first_loss"] - expected) <= RTOL * expected, (out["first_loss"], expected)
+    # float32 through other kernels and reduction orders (CP=2's tiled attention over padded rows, the
+    # gathered loss): 1.6e-6 relative seen once in CI (2026-12-06); a CP fault moves it by far more
+    assert abs(out["first_loss"] - expected) <= 10 * RTOL * expected, (out["first_loss"], expected)
 
 
 def test_the_export_is_the_trained_model(folders, trained):
