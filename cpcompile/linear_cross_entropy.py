@@ -34,7 +34,9 @@ target's logit, and the logit gradient. Inductor makes each one pass over the ch
 the matmul's dtype, in float32 registers, with no float32 copy: on an H200 at 32K tokens the eager
 sequence (cast, max, subtract, exp, sum; again in the backward, then the one-hot, the scale and
 the cast back) took about a tenth of the training step
-(benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md).
+(benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). Without `compile_backend` on CUDA the
+same two passes run as Triton kernels (`kernels/loss/triton_chunk.py`), so eager layers get them too;
+float64 and the CPU keep the ATen sequence.
 """
 from __future__ import annotations
 
@@ -97,6 +99,19 @@ def valid_rows(targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
     return rows, chosen
 
 
+def _uses_triton(hidden: torch.Tensor) -> bool:
+    """Uncompiled chunk work on CUDA runs the Triton kernels (`kernels/loss/`); float64 and the CPU
+    keep the ATen sequence."""
+    return hidden.is_cuda and hidden.dtype != torch.float64
+
+
+def triton_chunk():
+    """The kernels' module, imported at first use (importing cpcompile never imports triton)."""
+    from .kernels.loss import triton_chunk as module
+
+    return module
+
+
 @functools.cache
 def _is_compile_backend(name: str) -> bool:
     """Asked once a name, not every step (the loss is called each step with the same backend)."""
@@ -128,7 +143,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         total = torch.zeros((), dtype=dtype, device=hidden.device)
         for start in range(0, rows.numel(), chunk_tokens):
             part = slice(start, start + chunk_tokens)
-            if compile_backend is None:
+            if compile_backend is None and _uses_triton(hidden):
+                logits = _head_logits(hidden, weight, rows[part])
+                log_sum_exp[part], target_logits = triton_chunk().loss_terms(logits, chosen[part], softcap)
+            elif compile_backend is None:
                 logits = _chunk_logits(hidden, weight, rows[part], dtype, softcap)[0]
                 target_logits = logits.gather(1, chosen[part].unsqueeze(1)).squeeze(1)
                 log_sum_exp[part] = _log_sum_exp_in_place(logits)
@@ -151,7 +169,10 @@ class _LinearCrossEntropySum(torch.autograd.Function):
         grad_weight = torch.zeros_like(weight, dtype=loss_dtype(weight.dtype)) if ctx.needs_input_grad[1] else None
         for start in range(0, rows.numel(), ctx.chunk_tokens):
             part = slice(start, start + ctx.chunk_tokens)
-            if ctx.compile_backend is None:
+            if ctx.compile_backend is None and _uses_triton(hidden):
+                grad_logits = triton_chunk().logit_gradient_(_head_logits(hidden, weight, rows[part]), chosen[part],
+                                                             log_sum_exp[part], scale, ctx.softcap)
+            elif ctx.compile_backend is None:
                 grad_logits = _chunk_logit_gradient(hidden, weight, rows[part], chosen[part], log_sum_exp[part],
                                                     scale, ctx.softcap).to(hidden.dtype)
             else:

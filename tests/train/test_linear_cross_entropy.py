@@ -42,8 +42,20 @@ def _chunked(chunk_tokens, softcap=None, compile_backend=None):
 
 
 # the chunk's elementwise work eagerly in place, and compiled (aot_eager: the same graph inductor
-# would fuse, run op by op; inductor itself on a GPU, tests/train/test_linear_cross_entropy_gpu.py)
+# would fuse, run op by op; inductor itself on a GPU, below)
 BACKENDS = [None, "aot_eager"]
+# also uncompiled on the Triton kernels CUDA runs (kernels/loss/; here in Triton's interpreter)
+WITH_TRITON = [*BACKENDS, "triton"]
+
+
+def _backend(name, monkeypatch):
+    """`compile_backend` for a test's backend name; "triton": none, with the CUDA path forced."""
+    if name != "triton":
+        return name
+    import cpcompile.linear_cross_entropy as module
+
+    monkeypatch.setattr(module, "_uses_triton", lambda hidden: hidden.dtype != torch.float64)
+    return None
 
 
 @pytest.fixture(autouse=True)
@@ -127,19 +139,21 @@ def test_tied_weights_get_the_gradient_of_both_uses():
     assert relative_error(through_embedding(_chunked(5)), want) <= 1e-12
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_float32_within_1e_6(backend):
+@pytest.mark.parametrize("backend", WITH_TRITON)
+def test_float32_within_1e_6(backend, monkeypatch):
     hidden, weight, targets = _inputs(11, 300, 32, 997, dtype=torch.float32)
     targets = _with_ignored(targets, (100, 130))
+    backend = _backend(backend, monkeypatch)
     _assert_same(_loss_and_grads(_chunked(64, compile_backend=backend), hidden, weight, targets),
                  _loss_and_grads(_oracle(), hidden, weight, targets), 1e-6)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_bfloat16_is_as_accurate_as_the_whole_logits_in_bfloat16(backend):
+@pytest.mark.parametrize("backend", WITH_TRITON)
+def test_bfloat16_is_as_accurate_as_the_whole_logits_in_bfloat16(backend, monkeypatch):
     """Judged as cpcompile/parity.py judges CP: against float64, the chunked loss's error within
     1.5x the bfloat16 whole-logits error + 1e-3, for the loss and both gradients."""
     hidden, weight, targets = _inputs(5, 256, 64, 1009, scale=0.5)
+    backend = _backend(backend, monkeypatch)
     truth = _loss_and_grads(_oracle(), hidden, weight, targets)
     low = (hidden.bfloat16(), weight.bfloat16(), targets)
     chunked, whole = _loss_and_grads(_chunked(48, compile_backend=backend), *low), _loss_and_grads(_oracle(), *low)
@@ -207,9 +221,11 @@ def test_no_tensor_of_tokens_x_vocabulary_is_ever_allocated():
 
 
 @pytest.mark.gpu
-def test_gpu_inductor_chunk_work_is_as_accurate_as_the_whole_logits_in_bfloat16():
-    """On CUDA with inductor (the trainer's compiled path): bfloat16 loss and gradients judged
-    against float64 as cpcompile/parity.py judges CP, the whole bfloat16 logits' error the bound."""
+@pytest.mark.parametrize("backend", ["inductor", None])
+def test_gpu_chunk_work_is_as_accurate_as_the_whole_logits_in_bfloat16(backend):
+    """On CUDA with inductor (the trainer's compiled path) and uncompiled (the Triton kernels):
+    bfloat16 loss and gradients judged against float64 as cpcompile/parity.py judges CP, the whole
+    bfloat16 logits' error the bound."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     hidden, weight, targets = (t.cuda() for t in _inputs(5, 4096, 256, 32003, scale=0.5))
@@ -217,7 +233,7 @@ def test_gpu_inductor_chunk_work_is_as_accurate_as_the_whole_logits_in_bfloat16(
     low = (hidden.bfloat16(), weight.bfloat16(), targets)
     for softcap in (None, 30.0):
         truth = _loss_and_grads(_oracle(softcap), hidden, weight, targets)
-        chunked = _loss_and_grads(_chunked(1000, softcap, "inductor"), *low)
+        chunked = _loss_and_grads(_chunked(1000, softcap, backend), *low)
         whole = _loss_and_grads(_oracle(softcap), *low)
         for name, c, w, t in zip(("loss", "grad_hidden", "grad_weight"), chunked, whole, truth):
             assert c.dtype == w.dtype, name
