@@ -134,8 +134,7 @@ def _terms_and_moments(config: TrainConfig, params: int, model_config, rank: int
     terms = {"states": 4 * params * sizes.param / shards,
              "fsdp_buffers": root + max(layer_fsdp),
              "activations": sum(kept) + final_norm_bytes(text, sizes) * tokens,
-             "loss": loss_bytes(settings, text, sizes, tokens,
-                                compiled=settings.loss_compile_backend(accelerator.cp_size) is not None),
+             "loss": loss_bytes(settings, text, sizes, tokens, _loss_chunk_work(settings, accelerator.cp_size, sizes)),
              "layer_backward": max(peak - keep for peak, keep in zip(peaks, kept))}
     resident = 3 * params * sizes.param / shards  # parameters and moments: zero_grad(set_to_none) freed the gradients
     last_layer = layer_parameters(text, layer_kinds(text)[-1]) * sizes.compute  # stays gathered after the forward
@@ -190,16 +189,25 @@ def sdpa_method(config: TrainConfig) -> str:
     return "all_gather"
 
 
-def loss_bytes(settings, text, sizes: ElementSizes, tokens: int, compiled: bool = False) -> int:
-    """The loss's buffers at their peak, in its backward (module doc); `compiled`: the chunked
-    loss's chunk work compiled (`linear_cross_entropy_sum`'s compile_backend)."""
+def _loss_chunk_work(settings, cp_size: int, sizes: ElementSizes) -> str:
+    """How `linear_cross_entropy_sum` runs a chunk's elementwise work: compiled, on its Triton
+    kernels (uncompiled on CUDA, below float64) or as the eager ATen sequence."""
+    if settings.loss_compile_backend(cp_size) is not None:
+        return "compiled"
+    return "triton" if settings.device == "cuda" and sizes.compute != 8 else "eager"
+
+
+def loss_bytes(settings, text, sizes: ElementSizes, tokens: int, chunk_work: str = "eager") -> int:
+    """The loss's buffers at their peak, in its backward (module doc); `chunk_work`: how the
+    chunked loss's elementwise work runs (`_loss_chunk_work`)."""
     f = 8 if sizes.compute == 8 else 4  # the loss runs in float32, float64 for a float64 model
     if settings.loss == "full":
         return 3 * f * tokens * text.vocab_size
     rows, vocab, hidden = min(tokens, settings.loss_chunk_tokens), text.vocab_size, text.hidden_size
     # eager: the logits in c while their float copy is made, or the reverse; compiled: the logits
-    # and their gradient in c
-    chunk = rows * vocab * (sizes.compute + (sizes.compute if compiled else f))
+    # and their gradient in c; Triton: the gradient overwrites the logits
+    second = {"eager": f, "compiled": sizes.compute, "triton": 0}[chunk_work]
+    chunk = rows * vocab * (sizes.compute + second)
     weight_gradient = vocab * hidden * f
     return max(chunk + weight_gradient, vocab * hidden * (f + sizes.compute)) + tokens * hidden * sizes.compute
 
