@@ -130,7 +130,7 @@ class CutAuditor:
 
         window = cut_example(self.example, self.tokens, cut)
         with ExitStack() as stack_of:
-            for enter in (forked_rng(), torch.no_grad(), evaluating(self.model), autocast_off(self.example),
+            for enter in (forked_rng(), torch.no_grad(), evaluating(self.model), autocast_off(self.example, self.model),
                           self.kept_state(), cores_answered_with_zeros(self.model),
                           stand_ins_while_called(self.model), recorder):
                 stack_of.enter_context(enter)
@@ -215,16 +215,25 @@ def handed_cut(whole: Call | None, output: Any, cut: Cut, batch: int) -> Any:
 
 
 @contextmanager
-def autocast_off(example: Any):
+def autocast_off(example: Any, model: nn.Module):
     """The runs at the precision of the model's own tensors, out of any autocast the caller's step holds
-    (a Hugging Face Trainer's first step, under accelerate's): at bf16 the window and its halves would
-    round differently (matmuls of another length tile otherwise), which the float32 `TOLERANCE` would
-    read as code mixing positions. The verdict is about code, not precision."""
+    or the model's forward enters itself: at bf16 the window and its halves would round differently
+    (matmuls of another length tile otherwise), which the float32 `TOLERANCE` would read as code
+    mixing positions. The verdict is about code, not precision. accelerate's mixed precision (a Hugging
+    Face Trainer with `bf16=True`) replaces the instance's `forward` by one inside `torch.autocast` and
+    keeps the original as `_original_forward`: the runs call that one."""
     devices = {leaf.device.type for leaf in pytree.tree_leaves(example) if isinstance(leaf, torch.Tensor)}
-    with ExitStack() as stack:
-        for device in sorted(devices - {"meta"}):
-            stack.enter_context(torch.autocast(device, enabled=False))
-        yield
+    wrapped = "forward" in vars(model) and callable(getattr(model, "_original_forward", None))
+    if wrapped:
+        patched, model.forward = model.forward, model._original_forward
+    try:
+        with ExitStack() as stack:
+            for device in sorted(devices - {"meta"}):
+                stack.enter_context(torch.autocast(device, enabled=False))
+            yield
+    finally:
+        if wrapped:
+            model.forward = patched
 
 
 @contextmanager
