@@ -91,6 +91,7 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     positions = kwargs.get(DOCUMENTS_KWARG)  # the model call's, when handed down; else the layer's own
     positions = position_ids if positions is None else positions
     refuse_what_it_cannot_compute(module, query, key, dropout, positions, kwargs.get("sliding_window"))
+    query, key, value = at_autocast_precision(query, key, value)
     value_size = value.shape[-1]
     tags = key_tags(positions, attention_mask, query.shape[0], key.shape[2], query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
@@ -104,6 +105,18 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     query, key, value = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (query, key, value))
     out = local_attention(query, key, value, tags, [0], causal, float(scale), kernel, masked_kernel, None, unmasked)
     return out[..., :value_size].transpose(1, 2), None
+
+
+def at_autocast_precision(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Q, K and V as SDPA would take them: under autocast each is cast to its dtype (SDPA is on
+    autocast's lower-precision list). `local_attention` itself runs outside autocast at its inputs'
+    precision, and Qwen3-style models hand it fp32 Q and K (their rotary embedding is fp32) beside a
+    bf16 V, which no fused kernel takes."""
+    device = tensors[0].device.type
+    if not torch.is_autocast_enabled(device):
+        return tensors
+    dtype = torch.get_autocast_dtype(device)
+    return tuple(x.to(dtype) if x.is_floating_point() else x for x in tensors)
 
 
 def refuse_what_it_cannot_compute(module: nn.Module, query: torch.Tensor, key: torch.Tensor, dropout: float,

@@ -143,3 +143,24 @@ def test_calls_it_cannot_compute_are_refused(kwargs, error, words):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(error, match=words):
         local_attention_forward(torch.nn.Module(), q, q, q, None, **kwargs)
+
+
+def test_under_autocast_the_kernels_get_q_k_v_at_its_dtype(monkeypatch):
+    """As SDPA under autocast: Qwen3's rotary hands fp32 Q and K beside a bf16 V (on CUDA an fp32
+    query would pick FlexAttention, whose backward refuses mixed dtypes); all three reach the kernel
+    in bf16, and the logits stay within bf16 rounding of transformers' own path."""
+    import cpcompile.adapters.hf_attention as adapter
+
+    seen = []
+    kernel = adapter.local_attention
+    monkeypatch.setattr(adapter, "local_attention",
+                        lambda q, k, v, *a: seen.append((q.dtype, k.dtype, v.dtype)) or kernel(q, k, v, *a))
+    reference = tiny_qwen3(seed=5)
+    routed = copy.deepcopy(reference)
+    route_attention_without_cp(routed, decoder_layers(routed))
+    inputs = batch("packed", seed=9)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = reference(**inputs, use_cache=False).logits.float()
+        got = routed(**inputs, use_cache=False).logits.float()
+    assert seen and set(seen) == {(torch.bfloat16,) * 3}, seen
+    torch.testing.assert_close(got, want, rtol=0.05, atol=0.05)
