@@ -110,7 +110,7 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
             "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
             "eval_loss": trainer.evaluate()["eval_loss"],
             "tokens": trainer.state.num_input_tokens_seen,
-            "saved": _saved_matches(trainer, name, out_dir), "shards": _shards(trainer.model),
+            "saved": saved_matches(trainer, name, out_dir), "shards": _shards(trainer.model),
             "seconds": time.perf_counter() - start}
 
 
@@ -122,7 +122,7 @@ def _shards(model) -> int:
     return weight.device_mesh.size() if isinstance(weight, DTensor) else 1
 
 
-def _saved_matches(trainer, name: str, out_dir: str) -> float | None:
+def saved_matches(trainer, name: str, out_dir: str) -> float | None:
     """Save a normal checkpoint and load it back with `from_pretrained`: the largest difference to
     the trained parameters (None on ranks that do not save)."""
     from cpcompile.integrations.hf_fsdp import full_state_dict, is_sharded
