@@ -10,7 +10,8 @@ and why each step keeps the CP=1 numbers (docs/hf_trainer.md):
 
 - data: every rank of a cp group reads the same global batch (`hf_data.shard_over_dp`);
 - the first batch compiles the model (`cpcompile.compile`, in place: parameter names unchanged, so
-  `save_model` writes a normal checkpoint); every batch is cut by `cpcompile.shard_batch`;
+  `save_model` writes a normal checkpoint); every batch is cut by `cpcompile.shard_batch` (TRL's
+  padding-free varlen keys checked against the position ids and taken out first: `hf_data`);
 - loss: `num_items_in_batch` counts each target once over the dp groups (`hf_data.count_targets`),
   so each rank's HF loss is its share of the CP=1 mean. The Trainer's own scaling by the number of
   processes then undoes DDP's mean over dp x cp: the gradient is the sum over the cp group and the
