@@ -2,6 +2,7 @@
 ids restarting at 0 at each document) plus the two lines that give it context parallelism.
 
     torchrun --nproc-per-node 2 examples/hf_trainer_sft.py --plan plan.yaml      # cp 2 (the plan's cp_size)
+    torchrun --nproc-per-node 4 examples/hf_trainer_sft.py --cp 2 --fsdp         # dp 2 x cp 2, FSDP2 over all 4
     python examples/hf_trainer_sft.py                                            # one process, no CP
 
 Without `--plan` the script writes cpcompile's suggestion for this model (`cpcompile.suggest_plan`,
@@ -9,7 +10,10 @@ what `cpcompile plan` prints) to OUTPUT_DIR/plan.yaml first and trains with it: 
 pass it with `--plan` next time. The model is a tiny Qwen3.5 (3 GDN layers, 1 attention layer)
 built from its config, so this runs on CPU (`--cpu`, the default without CUDA: gloo, and the eager
 GDN kernels in the suggested plan; on GPUs: NCCL and the Triton ones). docs/hf_trainer.md says what
-the two lines do and what they refuse.
+the two lines do and what they refuse. `--fsdp` shards the model with FSDP2 over dp x cp instead of
+the Trainer's DDP (`context_parallel(..., fsdp=True)`). TRL's `SFTTrainer(args=SFTConfig(packing=True))`
+takes the same two lines: its padding-free batches (position ids and flash attention's varlen keys) are
+read as packed documents (tests/integrations/test_trl_sft.py).
 """
 from __future__ import annotations
 
@@ -25,9 +29,13 @@ from cpcompile.integrations.transformers import context_parallel  # added line 1
 
 def parse() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--plan", help="cpcompile plan (YAML); default: the suggestion, written to OUTPUT_DIR/plan.yaml")
+    parser.add_argument("--plan", help="cpcompile plan (YAML); default: the suggestion, written to "
+                        "OUTPUT_DIR/plan.yaml")
     parser.add_argument("--seq-len", type=int, default=256, help="tokens per packed row")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cp", type=int, help="cp size of the suggested plan (default: every process); "
+                        "dp = world / cp")
+    parser.add_argument("--fsdp", action="store_true", help="FSDP2 over dp x cp instead of DDP")
     parser.add_argument("--output-dir", default="hf_trainer_sft_out")
     parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=not torch.cuda.is_available())
     return parser.parse_args()
@@ -58,11 +66,11 @@ def packed_rows(count: int, seq_len: int, vocab: int) -> list[dict]:
     return rows
 
 
-def suggested_plan(model, seq_len: int, output_dir: str, cpu: bool) -> str:
-    """cpcompile's suggestion for this model at the launch's world size (one dp rank), as YAML."""
+def suggested_plan(model, seq_len: int, output_dir: str, cpu: bool, cp: int | None) -> str:
+    """cpcompile's suggestion for this model at `cp` (default: the launch's world size, one dp rank), as YAML."""
     import cpcompile
 
-    cp = int(os.environ.get("WORLD_SIZE", "1"))
+    cp = cp or int(os.environ.get("WORLD_SIZE", "1"))
     path = os.path.join(output_dir, "plan.yaml")
     suggestion = cpcompile.suggest_plan(model, cp, seq_len, gdn_backend="eager" if cpu else "triton")
     if int(os.environ.get("RANK", "0")) == 0:
@@ -83,8 +91,8 @@ def main() -> None:
                              report_to=[], disable_tqdm=True)
     trainer = Trainer(model=model, args=args, train_dataset=packed_rows(4 * opts.steps, opts.seq_len, 512),
                       data_collator=default_data_collator)
-    plan = opts.plan or suggested_plan(tiny_model(), opts.seq_len, opts.output_dir, opts.cpu)
-    trainer = context_parallel(trainer, plan=plan)  # added line 2 of 2
+    plan = opts.plan or suggested_plan(tiny_model(), opts.seq_len, opts.output_dir, opts.cpu, opts.cp)
+    trainer = context_parallel(trainer, plan=plan, fsdp=opts.fsdp)  # added line 2 of 2
     trainer.train()
     trainer.save_model(os.path.join(opts.output_dir, "final"))  # a normal checkpoint: from_pretrained reads it
 

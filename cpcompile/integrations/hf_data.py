@@ -14,7 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..batch import shard_batch
-from ..errors import CPConfigError
+from ..documents import positions_from_starts, starts_from_cu_seq_lens
+from ..errors import CPConfigError, CPInputError
+
+_PREFIX = "cpcompile.integrations.transformers"
+# flash attention's varlen arguments, which TRL's padding-free collator (packing=True, or padding_free=True)
+# adds beside position_ids; shard_batch refuses them (they describe the whole row, not a rank's slice)
+VARLEN_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx")
 
 
 def shard_over_dp(loader: Any, dp_size: int, dp_rank: int) -> Any:
@@ -39,6 +45,33 @@ def shard_over_dp(loader: Any, dp_size: int, dp_rank: int) -> Any:
     return loader
 
 
+def without_varlen_keys(batch: dict) -> dict:
+    """`batch` with TRL's varlen arguments (`VARLEN_KEYS`) taken out, once checked to describe the same
+    documents as its position ids: CP reads the documents from those (shard_batch), and each rank's
+    attention is rewritten to keep within them. Without position ids, `cu_seq_lens_q` becomes
+    shard_batch's `cu_seq_lens`."""
+    if all(batch.get(key) is None for key in VARLEN_KEYS):
+        return batch
+    cu_q, cu_k = batch.get("cu_seq_lens_q"), batch.get("cu_seq_lens_k")
+    if cu_q is None or cu_k is None or not torch.equal(torch.as_tensor(cu_q), torch.as_tensor(cu_k)):
+        raise CPInputError(f"{_PREFIX}: the batch's cu_seq_lens_q and cu_seq_lens_k differ or one is missing; "
+                           "CP reads one set of packed documents (keys: " + ", ".join(sorted(batch)) + ")")
+    main = batch["input_ids"] if batch.get("input_ids") is not None else batch["inputs_embeds"]
+    starts = starts_from_cu_seq_lens(cu_q, main.shape[0], main.shape[1], f"{_PREFIX}: the batch's 'cu_seq_lens_q'")
+    derived = {"position_ids": positions_from_starts(starts).unsqueeze(0), "seq_idx": starts.cumsum(0).sub(1)[None],
+               "max_length_q": int(torch.as_tensor(cu_q).diff().max())}
+    derived["max_length_k"] = derived["max_length_q"]
+    for key, want in derived.items():
+        got = batch.get(key)
+        if got is not None and not torch.equal(torch.as_tensor(got).long().cpu(), torch.as_tensor(want).long().cpu()):
+            raise CPInputError(f"{_PREFIX}: the batch's {key} disagrees with its cu_seq_lens_q; "
+                               "CP reads the packed documents from position ids restarting at 0")
+    out = {key: value for key, value in batch.items() if key not in VARLEN_KEYS}
+    if out.get("position_ids") is None:
+        out["cu_seq_lens"] = cu_q
+    return out
+
+
 def count_targets(batches: list[dict], device: torch.device, cp_size: int, across_dp: bool) -> torch.Tensor | None:
     """The valid next-token targets of `batches` (one gradient-accumulation window), counted as
     `shard_batch` counts them (global shift, -100 at each packed document's last token); with
@@ -46,7 +79,8 @@ def count_targets(batches: list[dict], device: torch.device, cp_size: int, acros
     group's shared batches counted once."""
     if not batches or ("labels" not in batches[0] and "shift_labels" not in batches[0]):
         return None
-    counts = [shard_batch(_without_count(batch), None, None)["num_items_in_batch"] for batch in batches]
+    counts = [shard_batch(without_varlen_keys(_without_count(batch)), None, None)["num_items_in_batch"]
+              for batch in batches]
     total = torch.stack([torch.as_tensor(c) for c in counts]).sum().to(device)
     if across_dp and dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)  # over dp x cp: every cp rank added the same count

@@ -10,7 +10,8 @@ and why each step keeps the CP=1 numbers (docs/hf_trainer.md):
 
 - data: every rank of a cp group reads the same global batch (`hf_data.shard_over_dp`);
 - the first batch compiles the model (`cpcompile.compile`, in place: parameter names unchanged, so
-  `save_model` writes a normal checkpoint); every batch is cut by `cpcompile.shard_batch`;
+  `save_model` writes a normal checkpoint); every batch is cut by `cpcompile.shard_batch` (TRL's
+  padding-free varlen keys checked against the position ids and taken out first: `hf_data`);
 - loss: `num_items_in_batch` counts each target once over the dp groups (`hf_data.count_targets`),
   so each rank's HF loss is its share of the CP=1 mean. The Trainer's own scaling by the number of
   processes then undoes DDP's mean over dp x cp: the gradient is the sum over the cp group and the
@@ -37,7 +38,7 @@ from ..errors import CPConfigError
 from ..mesh import CPMesh, build_mesh
 from ..pipeline import compile as cp_compile
 from ..plan import Plan, load_plan
-from .hf_data import count_targets, shard_over_dp
+from .hf_data import count_targets, shard_over_dp, without_varlen_keys
 from .hf_fsdp import full_state_dict, leave_reduction_to_model, shard_compiled_model
 from .hf_refusals import packing_is_on, refuse_packing_without_positions, refuse_unsupported_trainer
 
@@ -117,7 +118,10 @@ class ContextParallelMixin:
         local = self._local_batch(inputs, num_items_in_batch)
         num_items_in_batch = local.pop("num_items_in_batch", num_items_in_batch)
         self._compile_once(local)
-        loss, outputs = super().compute_loss(model, local, return_outputs=True, num_items_in_batch=num_items_in_batch)
+        # outputs only when asked: TRL's SFTTrainer runs one more forward (for the logits) to return them
+        result = super().compute_loss(model, local, return_outputs=return_outputs,
+                                      num_items_in_batch=num_items_in_batch)
+        loss, outputs = result if return_outputs else (result, None)
         if not self.args.average_tokens_across_devices:
             # the loss is this rank's share of its cp group's mean, and DDP divides by dp x cp
             loss = loss * self._cp.cp_size
@@ -158,9 +162,9 @@ class ContextParallelMixin:
 
     def _local_batch(self, inputs: dict, num_items_in_batch) -> dict:
         setup = self._cp
+        batch = without_varlen_keys(dict(inputs))  # TRL's padding-free batches: position ids and flash varlen keys
         if setup.packing:
-            refuse_packing_without_positions(inputs)
-        batch = dict(inputs)
+            refuse_packing_without_positions(batch)
         if num_items_in_batch is not None:
             batch["num_items_in_batch"] = num_items_in_batch  # the Trainer's count passes through
         # right padding to the layout's multiple: ids masked out of the loss (label -100) and,

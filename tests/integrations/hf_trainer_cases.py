@@ -110,10 +110,19 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
             "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
             "eval_loss": trainer.evaluate()["eval_loss"],
             "tokens": trainer.state.num_input_tokens_seen,
-            "saved": _saved_matches(trainer, name, out_dir), "seconds": time.perf_counter() - start}
+            "saved": saved_matches(trainer, name, out_dir), "shards": _shards(trainer.model),
+            "seconds": time.perf_counter() - start}
 
 
-def _saved_matches(trainer, name: str, out_dir: str) -> float | None:
+def _shards(model) -> int:
+    """Over how many ranks the parameters are sharded (1: whole on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    weight = next(model.parameters())
+    return weight.device_mesh.size() if isinstance(weight, DTensor) else 1
+
+
+def saved_matches(trainer, name: str, out_dir: str) -> float | None:
     """Save a normal checkpoint and load it back with `from_pretrained`: the largest difference to
     the trained parameters (None on ranks that do not save)."""
     from cpcompile.integrations.hf_fsdp import full_state_dict, is_sharded
