@@ -181,7 +181,7 @@ def run_row(args, spec: dict, train_config_for) -> dict:
         # A dispatch mode cannot watch compiled code, and one active at the first compiled call makes
         # Dynamo leave the layers eager for good: with compiled layers the bytes are counted in one
         # step more, run eagerly (the same collectives), after the measured ones.
-        compiled = config.train.layer_compile_backend(spec["cp"]) is not None
+        compiled = config.train.layer_compile_backend() is not None
         phase, sent, seconds = "warm-up", CollectiveBytes(), []
         counted = None if compiled else counted_step(args.warmup)
         for index in range(args.warmup + args.steps):

@@ -131,7 +131,7 @@ def run_mode(args, loss: str, ac: str) -> dict:
         if is_rank_zero():
             print(format_step(records[-1], args.steps) + verdict(records[-1], train_config), flush=True)
     peak_flops = args.peak_tflops * 1e12 * args.cp
-    warmup = warmup_steps(train_config.train.layer_compile_backend(args.cp) is not None)
+    warmup = warmup_steps(train_config.train.layer_compile_backend() is not None)
     if is_rank_zero():
         print(summary(records, args.seq_len, per_token, peak_flops, warmup), flush=True)
     timed = timed_steps(records, warmup)

@@ -73,7 +73,7 @@ def compiles_layers(args) -> bool:
     """Whether the trainer compiles its layers here (`--compile-backend`, else its default)."""
     from cpcompile.trainer.config import TrainSettings
 
-    return TrainSettings(compile_backend=args.compile_backend, device=args.device).layer_compile_backend(1) \
+    return TrainSettings(compile_backend=args.compile_backend, device=args.device).layer_compile_backend() \
         is not None
 
 

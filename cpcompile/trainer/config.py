@@ -83,7 +83,7 @@ def load_train_config(source: str | dict) -> TrainConfig:
     # model_config refuses a model type or key transformers does not know, before any process starts
     transformers_config = model_config(model)
     check_layer_count(config.train.ac_mode, transformers_config.get_text_config().num_hidden_layers)
-    compiled = config.train.layer_compile_backend(plan.cp_size)
+    compiled = config.train.layer_compile_backend()
     if config.train.gdn_checkpoint_around_core and compiled is not None:
         # compiled, a checkpointed layer's replay is one backward graph: the inner checkpoints run
         # once in it and their saved tensors live across the core's backward, saving nothing

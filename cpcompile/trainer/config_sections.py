@@ -37,12 +37,12 @@ Beta = Annotated[float, in_range("a number in [0, 1)", low=0.0, below=1.0)]
 ACSetting = Annotated[Union[str, bool, dict], Rule(lambda field, value: parse_ac_mode(value),
                                                    "off, every_layer, selective or {every_n: k}")]
 EAGER = "eager"  # train.compile_backend: eager runs the decoder layers uncompiled, whatever the default
-# train.compile_backend when the config leaves it null, per device, without CP: inductor on CUDA (one
-# H200, the 0.57B model at 32K tokens: 35.3K tokens/s against eager's 24.6K, docs/trainer.md). With
-# CP (cp_size > 1) null means eager on every device: compiled layers holding CP regions are proven on
-# CPU (aot_eager, gloo) and are 2x eager on one H100's simulated rank (0.753 against 1.54 s a step,
-# benchmarks/results/compiled_cp_2026-12-06_NVIDIA-H100.md), but have not run over NCCL yet: set
-# `inductor` to have them. `eager` stays eager whatever this says.
+# train.compile_backend when the config leaves it null, per device, with or without CP: inductor on
+# CUDA. Without CP (one H200, the 0.57B model at 32K tokens: 35.3K tokens/s against eager's 24.6K,
+# docs/trainer.md); with CP, on one H100 under the fake process group, CP=2 at 32K tokens a rank:
+# rank 0 0.753 s against 1.54 eager, the last rank 1.249 against 1.848 (lower peaks too), compiled
+# layers holding CP regions proven equal to eager CP on CPU (gloo), not yet run over NCCL
+# (benchmarks/results/compiled_cp_2026-12-06_NVIDIA-H100.md). `eager` stays eager whatever this says.
 DEFAULT_COMPILE_BACKENDS: dict[str, str] = {"cpu": EAGER, "cuda": "inductor", "npu": EAGER}
 
 
@@ -100,7 +100,7 @@ class TrainSettings(Section):
     compile_backend: CompileBackend | None = None
     """torch.compile of each decoder layer (CP regions and checkpoint inside) and of the chunked
     loss's per-chunk elementwise work: a backend torch.compiler.list_backends knows (inductor,
-    aot_eager); eager: not compiled; null: inductor on CUDA at cp 1, else eager."""
+    aot_eager); eager: not compiled; null: inductor on CUDA, else eager."""
     gdn_backend: GDNBackend | None = None
     """Run every GDN layer through cpcompile's own core, also where CP does not rewrite it (cp 1);
     null: transformers' path."""
@@ -153,17 +153,15 @@ class TrainSettings(Section):
     def ac_mode(self) -> ACMode:
         return parse_ac_mode(self.activation_checkpointing)
 
-    def layer_compile_backend(self, cp_size: int) -> str | None:
+    def layer_compile_backend(self) -> str | None:
         """The `torch.compile` backend of the decoder layers, None to run them eagerly:
-        `compile_backend`, or when it is null the device's default without CP, eager with it."""
-        backend = self.compile_backend
-        if backend is None:
-            backend = DEFAULT_COMPILE_BACKENDS[self.device] if cp_size == 1 else EAGER
+        `compile_backend`, or when it is null the device's default, with CP or without."""
+        backend = self.compile_backend if self.compile_backend is not None else DEFAULT_COMPILE_BACKENDS[self.device]
         return None if backend == EAGER else backend
 
-    def loss_compile_backend(self, cp_size: int) -> str | None:
+    def loss_compile_backend(self) -> str | None:
         """The backend the chunked loss compiles its chunk work with: the layers' (None: eager)."""
-        return self.layer_compile_backend(cp_size) if self.loss == "chunked" else None
+        return self.layer_compile_backend() if self.loss == "chunked" else None
 
     def precision_policy(self) -> tuple[torch.dtype | None, torch.dtype | None]:
         """(param_dtype, reduce_dtype) for FSDP2's MixedPrecisionPolicy; (None, None) without one."""

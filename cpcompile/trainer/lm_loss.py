@@ -41,7 +41,7 @@ CHECK_LOGIT_SCALE = 8.0
 
 def use_loss(model: nn.Module, settings, compile_backend: str | None = None) -> None:
     """Install `train.loss: chunked` on a freshly built model (`full` needs nothing);
-    `compile_backend`: `settings.loss_compile_backend(cp)`, what `linear_cross_entropy_sum` compiles its
+    `compile_backend`: `settings.loss_compile_backend()`, what `linear_cross_entropy_sum` compiles its
     chunk work with."""
     if settings.loss == "chunked":
         use_chunked_loss(model, settings.loss_chunk_tokens, compile_backend)

@@ -92,7 +92,7 @@ def build_trainer(config: TrainConfig, progress: Progress | None = None, load_we
         root.get_local_rank("dp_shard")
     rank_dump_dir(settings.dump_dir, dist.get_rank(), dist.get_world_size())  # said now; compile writes there
     model = build_model(config.model, settings, parameters_on_meta=on_meta)
-    use_loss(model, settings, settings.loss_compile_backend(config.plan.cp_size))
+    use_loss(model, settings, settings.loss_compile_backend())
     stream = TokenStream(config.data, settings, model.config.get_text_config().vocab_size)
     first = shard_batch(stream.batch(0, replica, config.dp_size), mesh, config.plan)
     sharding = parallelize_model(model, mesh, config, probe_inputs(model, first), progress)
@@ -172,7 +172,7 @@ def _train(config: TrainConfig, log: Callable[[str], None], stop_after: int | No
         if settings.verify and records:
             log(f"verify: PASS: {tolerance(settings)}, every step of {len(records)}")
         log(summary(records, settings.batch_size * settings.seq_len,
-                    warmup=warmup_steps(settings.layer_compile_backend(config.plan.cp_size) is not None)))
+                    warmup=warmup_steps(settings.layer_compile_backend() is not None)))
     return records
 
 

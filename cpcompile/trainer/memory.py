@@ -134,7 +134,7 @@ def _terms_and_moments(config: TrainConfig, params: int, model_config, rank: int
     terms = {"states": 4 * params * sizes.param / shards,
              "fsdp_buffers": root + max(layer_fsdp),
              "activations": sum(kept) + final_norm_bytes(text, sizes) * tokens,
-             "loss": loss_bytes(settings, text, sizes, tokens, _loss_chunk_work(settings, accelerator.cp_size, sizes)),
+             "loss": loss_bytes(settings, text, sizes, tokens, _loss_chunk_work(settings, sizes)),
              "layer_backward": max(peak - keep for peak, keep in zip(peaks, kept))}
     resident = 3 * params * sizes.param / shards  # parameters and moments: zero_grad(set_to_none) freed the gradients
     last_layer = layer_parameters(text, layer_kinds(text)[-1]) * sizes.compute  # stays gathered after the forward
@@ -189,10 +189,10 @@ def sdpa_method(config: TrainConfig) -> str:
     return "all_gather"
 
 
-def _loss_chunk_work(settings, cp_size: int, sizes: ElementSizes) -> str:
+def _loss_chunk_work(settings, sizes: ElementSizes) -> str:
     """How `linear_cross_entropy_sum` runs a chunk's elementwise work: compiled, on its Triton
     kernels (uncompiled on CUDA, below float64) or as the eager ATen sequence."""
-    if settings.loss_compile_backend(cp_size) is not None:
+    if settings.loss_compile_backend() is not None:
         return "compiled"
     return "triton" if settings.device == "cuda" and sizes.compute != 8 else "eager"
 

@@ -93,7 +93,7 @@ def parallelize_model(model: torch.nn.Module, mesh: CPMesh, config: "TrainConfig
         raise PlanError("train.gdn_checkpoint_around_core", f"{type(model).__name__} has no GDN layer run outside CP: "
                                                             "nothing to checkpoint around")
     apply_activation_checkpointing(model, settings.ac_mode)
-    if (backend := settings.layer_compile_backend(config.plan.cp_size)) is not None:
+    if (backend := settings.layer_compile_backend()) is not None:
         compile_layers(model, backend)
     if settings.offload_layer_inputs:
         apply_input_offload(model, settings.ac_mode, pin_memory=settings.device == "cuda")

@@ -46,18 +46,16 @@ def test_compiled_checkpointed_layers_follow_the_eager_run():
         assert result["loss_graphs"] >= 2 and result["graphs"] == LAYER_KINDS + result["loss_graphs"], result
 
 
-def test_compile_backend_null_is_the_device_default_without_cp_and_eager_with_it():
-    """`compile_backend: null` takes the device's default at cp 1 (inductor on CUDA, eager on CPU) and
-    eager under CP; `eager` stays eager; any other name is the layers' backend, with CP too."""
+def test_compile_backend_null_is_the_device_default_with_and_without_cp():
+    """`compile_backend: null` takes the device's default (inductor on CUDA, eager on CPU), under CP
+    too; `eager` stays eager; any other name is the layers' backend."""
     from cpcompile.trainer import config
 
-    def layers(backend, device="cpu", cp=1):
-        return config.TrainSettings(compile_backend=backend, device=device).layer_compile_backend(cp)
+    def layers(backend, device="cpu"):
+        return config.TrainSettings(compile_backend=backend, device=device).layer_compile_backend()
 
     assert layers(None) is None and layers("eager") is None and layers("aot_eager") == "aot_eager"
     assert layers(None, "cuda") == "inductor" and layers("eager", "cuda") is None
-    assert layers(None, "cuda", cp=2) is None and layers("inductor", "cuda", cp=2) == "inductor"
-    assert layers("aot_eager", cp=4) == "aot_eager" and layers(None, cp=4) is None
 
 
 def _packed_eager_and_compiled(rank: int, world: int, seed: int) -> dict:
