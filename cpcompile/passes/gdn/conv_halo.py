@@ -44,7 +44,7 @@ def fill_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
     else:
         history = fill_conv_halo(gm, match, ctx)
         for conv in [user for user in history.users if user.target in CONV_OPS]:
-            conv_for_compile(gm, conv)
+            conv_for_compile(gm, conv, match.backend)
     contiguous_qkv_when_compiled(gm, match)
 
 
@@ -79,11 +79,12 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> fx.
     return history
 
 
-def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
+def conv_for_compile(gm: fx.GraphModule, conv: fx.Node, backend: str) -> None:
     """A traced depthwise `conv1d(history, weight, bias)` (stride 1, no padding: the halo is in
-    `history`) becomes a call of `causal_conv`: the same `F.conv1d` when the region runs eagerly,
-    its fused taps when a compiled layer inlines the region (Dynamo traces the call). Any other
-    conv, or one traced with keyword arguments, is left as traced."""
+    `history`) becomes a call of `causal_conv`: the same `F.conv1d` when the region runs eagerly
+    (the Triton conv on the triton core `backend` on CUDA), its fused taps when a compiled layer
+    inlines the region (Dynamo traces the call). Any other conv, or one traced with keyword
+    arguments, is left as traced."""
     if conv.kwargs:
         return
     history, weight, bias, stride, padding, dilation, groups = conv_args(conv)
@@ -91,7 +92,7 @@ def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
     if not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
         return
     with gm.graph.inserting_before(conv):
-        call = gm.graph.call_function(causal_conv, (history, weight, bias))
+        call = gm.graph.call_function(causal_conv, (history, weight, bias, backend))
     call.meta.update(conv.meta)
     conv.replace_all_uses_with(call)
     gm.graph.erase_node(conv)

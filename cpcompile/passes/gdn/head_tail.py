@@ -119,7 +119,7 @@ def fill_head_tail_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassConte
                  for slot, halo in enumerate(_fragment_halos(emit, ctx, x, chunk, match.halo))]
     for user in list(pad.users):
         if user.target in CONV_OPS:
-            user.replace_all_uses_with(_conv_per_fragment(emit, user, histories))
+            user.replace_all_uses_with(_conv_per_fragment(emit, user, histories, match.backend))
         elif user.target in SLICE_OPS and user.args[1] == 2:
             start = user.args[2]
             windows = [emit(aten.slice.Tensor, h, 2, start, start + chunk) for h in histories]
@@ -147,11 +147,11 @@ def _fragment_halos(emit: Emitter, ctx: PassContext, x: fx.Node, chunk: int, hal
     return [emit(aten.permute.default, rows, [1, 2, 0]) for rows in (head_halo, tail_halo)]
 
 
-def _conv_per_fragment(emit: Emitter, conv: fx.Node, histories: list[fx.Node]) -> fx.Node:
+def _conv_per_fragment(emit: Emitter, conv: fx.Node, histories: list[fx.Node], backend: str) -> fx.Node:
     """`conv1d(history, weight, bias)` of the traced layer as one `causal_conv` per fragment."""
     _, weight, bias, stride, padding, dilation, groups = conv_args(conv)
     depthwise = weight is not None and val(weight).shape[1] == 1 and groups == val(histories[0]).shape[1]
     if conv.kwargs or not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
         raise CPInputError(f"the GDN conv {conv.name} is not a stride-1 depthwise conv1d without padding; "
                            "Head-Tail order splits only that conv per fragment")
-    return emit(aten.cat.default, [emit(causal_conv, h, weight, bias) for h in histories], 2)
+    return emit(aten.cat.default, [emit(causal_conv, h, weight, bias, backend) for h in histories], 2)
