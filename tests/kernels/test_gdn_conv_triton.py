@@ -96,14 +96,20 @@ def test_conv_and_every_gradient_match_the_float64_oracle(small_tiles, halo, cas
 
 
 @cpu_only
-def test_without_silu_a_halo_and_a_channel_major_history(small_tiles):
-    """`causal_conv`'s call: the `[B, C, T + K - 1]` history read through a transposed view, no
-    SiLU; agrees with `F.conv1d` in float64."""
+def test_without_silu_a_halo_and_a_channel_major_history(small_tiles, monkeypatch):
+    """`causal_conv` on the triton backend (as a CP region calls it on CUDA; forced here): the
+    `[B, C, T + K - 1]` history read through a transposed view, no SiLU; agrees with `F.conv1d` in
+    float64. Backward token tiles of 2, fewer than the halo's 3 rows."""
+    from cpcompile.kernels.gdn.triton import conv as kernels
+
+    monkeypatch.setattr(kernels, "CONV_BT", {"fwd": 8, "bwd": 2})
+    calls = []
+    monkeypatch.setattr(conv_module, "triton_conv_applies", lambda x, backend: calls.append(backend) or True)
     x, weight, b, grad = _inputs(True, True)
     history = x.transpose(1, 2).contiguous()  # channel-major, as a CP region's cat makes it
 
     def ours(h, w, b):
-        return torch.ops.cpcompile.gdn_conv(h.transpose(1, 2), w, b, None, False, True).transpose(1, 2)
+        return conv_module.causal_conv(h, w, b, "triton")
 
     def conv1d(h, w, b):
         return F.conv1d(h, w, b, groups=h.shape[1])
@@ -111,7 +117,7 @@ def test_without_silu_a_halo_and_a_channel_major_history(small_tiles):
     grad_c = grad.transpose(1, 2)
     got = _run(ours, history, weight, b, grad_c)
     truth = _run(conv1d, history.double(), weight.double(), b.double(), grad_c.double())
-    assert _max_err(got, truth) < 1e-5
+    assert calls == ["triton"] and _max_err(got, truth) < 1e-5
 
 
 @cpu_only

@@ -30,9 +30,11 @@ def triton_conv_applies(x: torch.Tensor, backend: str) -> bool:
 def conv_silu_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                      positions: torch.Tensor | None) -> torch.Tensor:
     """SiLU of the causal conv of `x [B, T, C]` (zeros as left context; `positions [B, T]`: within
-    documents) -> `[B, T, C]` contiguous in x's dtype: one Triton kernel, fp32 inside."""
-    out = torch.ops.cpcompile.gdn_conv(x.to(weight.dtype), weight, bias, positions, True, False)
-    return out.to(x.dtype)
+    documents) -> `[B, T, C]` contiguous in x's dtype: one Triton kernel, fp32 inside. As the layer
+    states it, x is cast to the weight's dtype first; to float32 the kernel's fp32 read is that
+    cast (no fp32 copy), and its output is rounded to x's dtype once."""
+    taps_input = x if weight.dtype == torch.float32 else x.to(weight.dtype)
+    return torch.ops.cpcompile.gdn_conv(taps_input, weight, bias, positions, True, False).to(x.dtype)
 
 
 def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

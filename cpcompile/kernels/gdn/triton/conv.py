@@ -153,10 +153,11 @@ def gdn_conv_bwd_kernel(x_ptr, s_xb, s_xt, s_xc, w_ptr, s_wc, s_wk, bias_ptr, po
     cmask = c < C
     dw = tl.zeros((BC, KP), tl.float32)
     db = tl.zeros((BC,), tl.float32)
-    if (i_s == 0) & (OFF > 0):  # the left context's rows: their gradient only (their gp is zero)
-        dw, db = _bwd_tile(x_ptr, s_xb, s_xt, s_xc, w_ptr, s_wc, s_wk, bias_ptr, pos_ptr, s_pb, s_pt, dy_ptr, s_db,
-                           s_dt, s_dc, dx_ptr, b, -OFF, 0, c, cmask, T, C, OFF, L, dw, db, K, KP, HAS_BIAS,
-                           HAS_POS, SILU, BT)
+    if i_s == 0:  # the left context's OFF rows: their gradient only (their gp is zero)
+        for i in range(tl.cdiv(OFF, BT)):
+            dw, db = _bwd_tile(x_ptr, s_xb, s_xt, s_xc, w_ptr, s_wc, s_wk, bias_ptr, pos_ptr, s_pb, s_pt, dy_ptr,
+                               s_db, s_dt, s_dc, dx_ptr, b, i * BT - OFF, 0, c, cmask, T, C, OFF, L, dw, db, K, KP,
+                               HAS_BIAS, HAS_POS, SILU, BT)
     for i in range(TILES):
         u0 = (i_s * TILES + i) * BT
         dw, db = _bwd_tile(x_ptr, s_xb, s_xt, s_xc, w_ptr, s_wc, s_wk, bias_ptr, pos_ptr, s_pb, s_pt, dy_ptr, s_db,
