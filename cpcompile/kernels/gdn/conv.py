@@ -38,7 +38,7 @@ def conv_silu_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 
 def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                backend: str = "eager") -> torch.Tensor:
+                backend: str = "eager", positions: torch.Tensor | None = None) -> torch.Tensor:
     """The causal depthwise conv of one document a row (`history`: the input with its left context).
 
     Under `torch.compile` (Dynamo tracing: the trainer's compiled layers, and the CP regions they
@@ -53,12 +53,20 @@ def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     the conv kernels accumulate (fused, the float copies are registers, not memory). On the
     `triton` backend run eagerly on CUDA, `cpcompile::gdn_conv` on the history read token-major
     (a transposed view, no copy), its output returned as a `[B, C, T]` view of token-major memory,
-    so that the region's SiLU and transpose back keep that layout."""
+    so that the region's SiLU and transpose back keep that layout.
+
+    With `positions [B, T]` (packed documents, a CP region's rewritten taps:
+    `passes/gdn/conv_taps.py`) it is `conv_taps` with them, eagerly in the history's dtype as the
+    layer traced it, or the Triton conv."""
     if torch.compiler.is_dynamo_compiling():
         wide = torch.promote_types(history.dtype, torch.float32)
-        return conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(history.dtype)
+        out = conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide), positions)
+        return out.to(history.dtype)
     if triton_conv_applies(history, backend):
-        return torch.ops.cpcompile.gdn_conv(history.transpose(1, 2), weight, bias, None, False, True).transpose(1, 2)
+        out = torch.ops.cpcompile.gdn_conv(history.transpose(1, 2), weight, bias, positions, False, True)
+        return out.transpose(1, 2)
+    if positions is not None:
+        return conv_taps(history, weight, bias, positions)
     return F.conv1d(history, weight, bias, groups=history.shape[1])
 
 
