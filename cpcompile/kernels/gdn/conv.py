@@ -39,7 +39,8 @@ def conv_silu_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
 
 def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 backend: str = "eager", positions: torch.Tensor | None = None) -> torch.Tensor:
-    """The causal depthwise conv of one document a row (`history`: the input with its left context).
+    """The causal depthwise conv of one document a row, or of packed documents with `positions`
+    (`history`: the input with its left context).
 
     Under `torch.compile` (Dynamo tracing: the trainer's compiled layers, and the CP regions they
     inline, whose rewritten graphs call this function: `passes/gdn/conv_halo.py`) it is `conv_taps`' K
