@@ -3,7 +3,8 @@ layer's path until now) vs cpcompile's Triton op `cpcompile::gdn_conv` vs `conv_
 a compiled layer runs), forward and forward+backward.
 
     python benchmarks/gdn_conv.py [--T 8192 32768 131072] [--C 6144] [--warmup 10] [--repeat 50] [--bias] [--out FILE]
-    TRITON_INTERPRET=1 python benchmarks/gdn_conv.py --smoke     # CPU, tiny shape, no timing claim
+    python benchmarks/gdn_conv.py --tune [--T 32768]   # the Triton op's tiles and warps (`triton/conv.py`)
+    TRITON_INTERPRET=1 python benchmarks/gdn_conv.py --smoke [--tune]    # CPU, tiny shape, no timing claim
 
 Each method goes from the projection's token-major output `x [B, T, C]` (bf16) to the SiLU'd conv
 as `[B, T, C]` (the layout q, k and v are split from), as the adapter states it
@@ -151,6 +152,48 @@ def run(lengths, channels, warmup, repeat, with_bias, smoke) -> list[str]:
     return lines
 
 
+def tune(length: int, channels: int, warmup: int, repeat: int, smoke: bool) -> list[str]:
+    """Time the Triton op's forward (alone) and backward (in a forward+backward, the forward at its
+    default) over token tile x channel tile x warps; -> a table, the fastest of each kernel starred."""
+    from cpcompile.kernels.gdn.triton import conv as kernels
+
+    cuda, device = not smoke, ("cpu" if smoke else "cuda")
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, length, channels, generator=gen).to(device, torch.bfloat16).requires_grad_()
+    weight = (torch.randn(channels, 1, KERNEL, generator=gen) / 2).to(device, torch.bfloat16).requires_grad_()
+    grad = torch.randn_like(x)
+
+    def fwd():
+        with torch.no_grad():
+            conv_silu_tokens(x, weight, None, None)
+
+    def step():
+        torch.autograd.grad(conv_silu_tokens(x, weight, None, None), [x, weight], grad)
+
+    grid = [(16, 64, 4)] if smoke else [(bt, bc, w) for bt in (8, 16, 32, 64) for bc in (64, 128, 256)
+                                         for w in (2, 4, 8)]
+    defaults = {name: dict(getattr(kernels, name)) for name in ("CONV_BT", "CONV_BC", "CONV_WARPS")}
+    rows = []
+    try:
+        for kernel, fn in (("fwd", fwd), ("bwd", step)):
+            for bt, bc, warps in grid:
+                for name, value in (("CONV_BT", bt), ("CONV_BC", bc), ("CONV_WARPS", warps)):
+                    setattr(kernels, name, dict(defaults[name], **{kernel: value}))
+                try:
+                    rows.append([kernel, bt, bc, warps, f"{timed(fn, warmup, repeat, cuda):.3f}"])
+                except Exception as exc:  # e.g. out of registers or shared memory: the row says so
+                    rows.append([kernel, bt, bc, warps, f"failed: {type(exc).__name__}"])
+                print(rows[-1], flush=True)
+    finally:
+        for name, value in defaults.items():
+            setattr(kernels, name, value)
+    best = {k: min((r for r in rows if r[0] == k and not r[4].startswith("f")), key=lambda r: float(r[4]),
+                   default=None) for k in ("fwd", "bwd")}
+    lines = [f"Tiles at x [1, {length}, {channels}] bf16, no positions; bwd: the forward+backward step's ms.", "",
+             "| kernel | BT | BC | warps | ms | |", "|---|---|---|---|---|---|"]
+    return lines + [f"| {' | '.join(map(str, r))} | {'*' if r is best[r[0]] else ''} |" for r in rows]
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--T", type=int, nargs="+", default=[8192, 32768, 131072])
@@ -159,14 +202,20 @@ def main(argv=None) -> None:
     ap.add_argument("--repeat", type=int, default=50)
     ap.add_argument("--bias", action="store_true", help="the conv with a bias (Qwen3.5's has none)")
     ap.add_argument("--out", default=None, help="write the markdown report here too")
+    ap.add_argument("--tune", action="store_true", help="sweep the Triton op's tiles and warps at the first --T")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shape, no timing claim")
     args = ap.parse_args(argv)
     if args.smoke:
         args.T, args.C, args.warmup, args.repeat = [40], 24, 0, 1
+    elif args.tune and args.T == ap.get_default("T"):
+        args.T = [32768]
     device = "cpu (Triton interpreter)" if args.smoke else torch.cuda.get_device_name()
     head = [f"# GDN causal conv + SiLU, {_dt.date.today()}", "",
             f"torch {torch.__version__}, device {device}, bf16, K={KERNEL}, bias={args.bias}", ""]
-    lines = head + run(args.T, args.C, args.warmup, args.repeat, args.bias, args.smoke)
+    if args.tune:
+        lines = head + tune(args.T[0], args.C, args.warmup, args.repeat, args.smoke)
+    else:
+        lines = head + run(args.T, args.C, args.warmup, args.repeat, args.bias, args.smoke)
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -96,3 +96,5 @@ def test_gdn_conv_benchmark_smoke():
     assert len(rows) == 12, out[-2000:]  # 3 methods x 2 (unpacked, documents), printed and in the table
     for row in rows:
         assert float(row[7]) < 1e-2, row
+    tuned = _interpreted("gdn_conv.py", "--smoke", "--tune")
+    assert {r.split("|")[1].strip() for r in tuned.splitlines() if r.endswith("* |")} == {"fwd", "bwd"}, tuned

@@ -182,3 +182,15 @@ def test_layer_with_the_triton_conv_matches_the_layer_on_conv1d(monkeypatch, pac
     assert calls == ["triton"]
     for a, b in zip(wired, reference):
         assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+
+
+@cpu_only
+def test_opcheck():
+    """Schema, fake implementation and autograd registration agree with the real op (tiny shape)."""
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 8 + KERNEL - 1, 4, generator=gen, requires_grad=True)  # the halo in front
+    weight = torch.randn(4, 1, KERNEL, generator=gen, requires_grad=True)
+    bias = torch.randn(4, generator=gen, requires_grad=True)
+    positions = torch.tensor([[1, 2, 0, 1, 0, 1, 2, 3]])
+    torch.library.opcheck(torch.ops.cpcompile.gdn_conv.default, (x, weight, bias, positions, True, True),
+                          test_utils=("test_schema", "test_faketensor", "test_autograd_registration"))

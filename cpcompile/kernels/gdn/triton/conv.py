@@ -29,8 +29,9 @@ from torch import Tensor
 from . import launching
 from .launching import triton_cdiv
 
-# Tile and warps per kernel (memory-bound; untuned: `benchmarks/gdn_conv.py` times them).
-CONV_BT = {"fwd": 32, "bwd": 32}
+# Tile and warps per kernel (memory-bound). Not tuned on a GPU yet (`benchmarks/gdn_conv.py --tune`);
+# the backward's token tile is the smaller one as it keeps more fp32 tiles live (d_in, acc, gp, rows).
+CONV_BT = {"fwd": 32, "bwd": 16}
 CONV_BC = {"fwd": 128, "bwd": 128}
 CONV_WARPS = {"fwd": 4, "bwd": 4}
 # The backward's programs: enough to fill a GPU, each summing its own token range's dw in fp32.
