@@ -3,7 +3,7 @@
 Every method first gives the causal conv its true left context (`fill_conv_halo`): the last
 `kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad, and a
 traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`; the
-packed-documents taps likewise, `conv_taps.taps_for_compile`, not yet in Head-Tail order), and q, k
+packed-documents taps likewise, `conv_taps.taps_for_compile`), and q, k
 and v reach the core contiguous when compiled (`contiguous_qkv_when_compiled`); in
 Head-Tail order each of a rank's two fragments gets its own (`head_tail.fill_head_tail_conv_halo`).
 Then the method rewrites the core (`passes/cores.py` runs both): Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather

@@ -1,7 +1,8 @@
 """The packed-documents conv of a traced GDN layer (`kernels.gdn.conv.conv_taps`, traced tap by tap)
 as one `causal_conv` call, as the depthwise `conv1d` of an unpacked layer becomes one
-(`conv_halo.conv_for_compile`): the region then runs the Triton conv eagerly on the triton backend
-on CUDA, and compiled, Dynamo traces the same taps again.
+(`conv_halo.conv_for_compile`; in Head-Tail order one a fragment, `taps_per_fragment`): the region
+then runs the Triton conv eagerly on the triton backend on CUDA, and compiled, Dynamo traces the
+same taps again.
 
 Traced, `conv_taps(history, weight, None, positions)` is, for tap = 0 .. K − 1 (back = K − 1 − tap):
 
@@ -20,6 +21,8 @@ import torch
 import torch.fx as fx
 
 from ...kernels.gdn.conv import causal_conv
+from ..graph_utils import Emitter
+from .fragments import PASS
 
 aten = torch.ops.aten
 
@@ -115,3 +118,15 @@ def taps_for_compile(gm: fx.GraphModule, history: fx.Node, backend: str) -> bool
     for node in reversed(taps.nodes):
         gm.graph.erase_node(node)
     return True
+
+
+def taps_per_fragment(gm: fx.GraphModule, taps: ConvTaps, histories: list[fx.Node], chunk: int, backend: str) -> None:
+    """Head-Tail order: the traced taps (on the rank's left-padded `[B, C, 2c]` input) become one
+    `causal_conv` a fragment, on its own history with its half of the positions, concatenated."""
+    emit = Emitter(gm.graph, taps.out, PASS)
+    convs = [emit(causal_conv, history, taps.weight, None, backend,
+                  emit(aten.slice.Tensor, taps.positions, 1, slot * chunk, (slot + 1) * chunk))
+             for slot, history in enumerate(histories)]
+    taps.out.replace_all_uses_with(emit(aten.cat.default, convs, 2))
+    for node in reversed(taps.nodes):
+        gm.graph.erase_node(node)

@@ -27,6 +27,7 @@ from ...errors import CPInputError
 from ...kernels.gdn.conv import causal_conv
 from ..comm import exchange_with_neighbours, note_once
 from ..graph_utils import Emitter, val
+from .conv_taps import find_conv_taps, taps_per_fragment
 from .fragments import PASS
 from .match import CONV_OPS, SLICE_OPS, GdnMatch, conv_args
 
@@ -103,9 +104,10 @@ def fill_head_tail_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassConte
 
     The traced conv reads one left-padded `[B, C, 2c]` input, whose tail would see the head's end;
     it is replaced by the conv of each fragment with its own halo in front: a depthwise `conv1d`
-    becomes two `causal_conv` calls, and each tap slice of the packed-documents conv
-    (`conv_taps`) the same window of both fragments' histories (its position test then stops
-    the halo at a document start, as on a contiguous rank)."""
+    becomes two `causal_conv` calls, and so does the packed-documents conv (`conv_taps`, traced
+    tap by tap: `conv_taps.taps_per_fragment`), each with its fragment's positions, whose test
+    stops the halo at a document start as on a contiguous rank. Taps not recognised as that are
+    rewritten slice by slice: each reads the same window of both fragments' histories."""
     pad = match.conv_pad
     x = pad.args[0]
     length = val(x).shape[-1]
@@ -117,6 +119,9 @@ def fill_head_tail_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassConte
     emit = Emitter(gm.graph, pad, PASS)
     histories = [emit(aten.cat.default, [halo, emit(aten.slice.Tensor, x, 2, slot * chunk, (slot + 1) * chunk)], 2)
                  for slot, halo in enumerate(_fragment_halos(emit, ctx, x, chunk, match.halo))]
+    taps = find_conv_taps(pad)
+    if taps is not None:  # packed documents: one causal_conv a fragment (the pad then has no users)
+        taps_per_fragment(gm, taps, histories, chunk, match.backend)
     for user in list(pad.users):
         if user.target in CONV_OPS:
             user.replace_all_uses_with(_conv_per_fragment(emit, user, histories, match.backend))
