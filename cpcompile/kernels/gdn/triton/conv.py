@@ -1,8 +1,8 @@
 """The GDN layer's causal depthwise conv with its SiLU, forward and backward, token-major.
 
 Rows: ``x [B, L, C]`` (any strides; channel stride 1 reads coalesced), where L = T + K − 1 when
-the K − 1 tokens of left context come in front (``HAS_HALO``: the `history` contract, zeros or
-a CP rank's halo), else L = T and the left context is zeros (no padded copy). Output ``y [B, T, C]``
+the K − 1 tokens of left context come in front (``halo``: the `history` contract, zeros or a CP
+rank's halo; OFF = K − 1), else L = T and the left context is zeros (OFF = 0, no padded copy). Output ``y [B, T, C]``
 contiguous in x's dtype; the K taps sum in fp32, as the conv kernels accumulate. With
 ``positions [B, T]`` output t reads the token `back` steps before it only when
 ``positions[t] >= back`` (`kernels.gdn.conv.conv_taps`): never a token of an earlier document.
