@@ -3,7 +3,7 @@ within 1.1x of the unpacked core at the same tokens).
 
     python benchmarks/gdn_documents.py [--T 8192 32768 131072] [--docs 2048 8192 256] [--warmup 5] [--repeat 20]
         [--families core_op api layer layer_compiled fla] [--check-T 1024] [--no-check] [--no-lift-fla-guard]
-        [--out FILE]                                                     (CUDA, bf16; 5+ minutes on a fresh machine)
+        [--heads 16 32] [--out FILE]                                     (CUDA, bf16; 5+ minutes on a fresh machine)
     TRITON_INTERPRET=1 python benchmarks/gdn_documents.py --smoke        (CPU interpreter, tiny shapes, no timing claim)
 
 Shapes: the GDN layer of trainer_gpu.py's Qwen3.5-shaped 0.57B model (`MODEL`: 16 key and 16 value heads,
@@ -126,7 +126,7 @@ def timing_rows(families, args, device, lines: list[str]) -> None:
         for family in families:
             reference = None
             for docs in batches(T, args.docs):
-                head = (f"| {family.name} | {docs.name} | ({1},{T},{shape.hk},{shape.hv},{shape.dk},{shape.dv}) "
+                head = (f"| {family.name} | {docs.name} | (1,{T},{shape.hk},{shape.hv},{shape.dk},{shape.dv}) "
                         f"| {args.warmup}/{args.repeat} |")
                 try:
                     r = measure(family, T, docs, device, args.warmup, args.repeat)
@@ -216,6 +216,8 @@ def parse(argv=None):
     ap.add_argument("--repeat", type=int, default=20)
     ap.add_argument("--families", nargs="+", choices=FAMILIES, default=list(FAMILIES))
     ap.add_argument("--check-T", type=int, help="tokens of the correctness checks (default 1024)")
+    ap.add_argument("--heads", type=int, nargs=2, metavar=("HK", "HV"),
+                    help="key and value heads instead of the 0.57B model's 16 and 16 (gdn_kernels.py times 16 and 32)")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     ap.add_argument("--no-lift-fla-guard", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, trainer_gpu.SMALL's GDN layer with 1/2 "
@@ -239,9 +241,14 @@ def main(argv=None) -> int:
         return 1
     device = torch.device("cpu" if args.smoke else "cuda")
     config = SMOKE_MODEL if args.smoke else MODEL
+    if args.heads:
+        config = dict(config, linear_num_key_heads=args.heads[0], linear_num_value_heads=args.heads[1])
     families, notes = make_families(args.families, config, not args.no_lift_fla_guard)
     env = environment(device)
     print(env, *notes, sep="\n", flush=True)
+    if not families:
+        print("gdn_documents: none of the families asked for runs here; nothing measured", file=sys.stderr)
+        return 1
     shape = shape_of(config)
     command = " ".join(["python benchmarks/gdn_documents.py", *(sys.argv[1:] if argv is None else argv)])
     lines = [f"# Packed GDN documents vs one unpacked sequence — {_dt.date.today().isoformat()}", "",
