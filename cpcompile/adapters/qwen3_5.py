@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
-from ..kernels.gdn.conv import causal_conv, conv_taps
+from ..kernels.gdn.conv import causal_conv, conv_silu_tokens, conv_taps, triton_conv_applies
 from ..kernels.gdn.layout import contiguous_when_compiled
 from ..kernels.gdn.layer_ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
@@ -116,12 +116,12 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
     value_dim = layer.head_v_dim
     if checkpoint_around_core:
         def inputs(hidden):  # v as its own tensor: a view would hold the whole SiLU output alive
-            query, key, value, *rest = gdn_core_inputs(layer, hidden, attention_mask, document_positions)
+            query, key, value, *rest = gdn_core_inputs(layer, hidden, attention_mask, document_positions, backend)
             return query, key, value.contiguous(), *rest
         query, key, value, g, beta, z, starts = checkpoint(inputs, hidden_states, use_reentrant=False)
     else:
         query, key, value, g, beta, z, starts = gdn_core_inputs(layer, hidden_states, attention_mask,
-                                                                 document_positions)
+                                                                 document_positions, backend)
     core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, layer.head_k_dim**-0.5, chunk_size,
                                          backend, starts)
     core = core.to(value.dtype)
@@ -135,27 +135,33 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
 
 
 def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                    document_positions: torch.Tensor | None) -> tuple:
+                    document_positions: torch.Tensor | None, backend: str = "eager") -> tuple:
     """The GDN layer up to its core: -> (q, k, v, g, beta, z, document starts or None); q and k
-    L2-normalised in float32, v `[B, T, V heads, V dim]`, z the output gate's projection."""
+    L2-normalised in float32, v `[B, T, V heads, V dim]`, z the output gate's projection.
+
+    On the triton backend run eagerly on CUDA the conv and its SiLU are one Triton kernel on the
+    projection's token-major output (`kernels/gdn/conv.py`); q, k and v are then views of a
+    `[B, T, C]` tensor: q and k get contiguous by their float32 cast, v stays a token-strided view
+    (the core copies it)."""
     if attention_mask is not None:  # padded positions contribute nothing (HF zeroes them too)
         hidden_states = (hidden_states * attention_mask[:, :, None]).to(hidden_states.dtype)
     batch, length, _ = hidden_states.shape
     key_dim, value_dim = layer.head_k_dim, layer.head_v_dim
 
     mixed, z, b, a = gdn_projections(layer, hidden_states)
-    mixed = mixed.transpose(1, 2)  # [B, conv channels, T]
-
-    weight = layer.conv1d.weight
-    history = F.pad(mixed.to(weight.dtype), (weight.shape[-1] - 1, 0))  # causal left context: CP fills it
-    starts = None
-    if document_positions is None:
-        conv = causal_conv(history, weight, layer.conv1d.bias)
-    else:
-        positions = document_positions.expand(batch, length)
-        conv = conv_taps(history, weight, layer.conv1d.bias, positions)
-        starts = positions == 0
-    mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
+    positions = None if document_positions is None else document_positions.expand(batch, length)
+    starts = None if positions is None else positions == 0
+    weight, bias = layer.conv1d.weight, layer.conv1d.bias
+    if triton_conv_applies(mixed, backend):  # eager CUDA: one kernel, token-major in and out
+        mixed = conv_silu_tokens(mixed, weight, bias, positions)
+    else:  # what CP rewrites and compiled layers see (traced)
+        mixed = mixed.transpose(1, 2)  # [B, conv channels, T]
+        history = F.pad(mixed.to(weight.dtype), (weight.shape[-1] - 1, 0))  # causal left context: CP fills it
+        if positions is None:
+            conv = causal_conv(history, weight, bias)
+        else:
+            conv = conv_taps(history, weight, bias, positions)
+        mixed = F.silu(conv).to(mixed.dtype).transpose(1, 2)
 
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     # q/k normalisation as Qwen3.5's reference does it: in fp32, and kept in fp32

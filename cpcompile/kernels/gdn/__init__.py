@@ -9,7 +9,8 @@
 - ``eager``   the pure-PyTorch backend (chunkwise form, segment summaries, the local state gradient);
 - ``summary`` the affine algebra of segment summaries ``H_out = M @ H_in + S``;
 - ``conv``    the layer's causal depthwise conv before the core: ``F.conv1d``, or its taps under
-              ``torch.compile`` and within packed documents;
+              ``torch.compile`` and within packed documents, or (triton backend, eager, CUDA)
+              ``cpcompile::gdn_conv``, registered by ``conv_ops`` (kernels: ``triton/conv``);
 - ``triton/`` cpcompile's Triton kernels (the ``triton`` backend).
 
 Importing this package never imports triton, nor registers the custom ops (``layer_ops`` does;

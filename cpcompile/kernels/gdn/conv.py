@@ -5,15 +5,42 @@ or under CP the previous rank's halo).
 `causal_conv` is what the layer and the CP regions call: `F.conv1d` when run eagerly or traced by
 `torch.export`, `conv_taps` when Dynamo traces it. `conv_taps` is also the packed-documents conv,
 and `F.conv1d` its oracle (tests/gdn/test_gdn_adapter.py, tests/gdn/test_gdn_packed.py).
+
+On the `triton` GDN backend, run eagerly on CUDA (`triton_conv_applies`), the conv is instead
+`cpcompile::gdn_conv` (`conv_ops.py`, kernels in `triton/conv.py`): the layer's own call
+(`conv_silu_tokens`) reads the projection's token-major output and writes the SiLU'd conv
+token-major, so q, k and v are plain views of it; a CP region's `causal_conv` reads its `history`.
+PyTorch's depthwise conv kernel was several times its memory time there (below), and the
+`[B, C, T]` layout around it cost transposing copies in the layer and the core.
 """
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from . import conv_ops  # noqa: F401  (registers cpcompile::gdn_conv)
 
-def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """The causal depthwise conv of one document a row (`history`: the input with its left context).
+
+def triton_conv_applies(x: torch.Tensor, backend: str) -> bool:
+    """The `triton` backend on CUDA, run eagerly: not under Dynamo (whose inductor fuses the taps)
+    nor `torch.export` (a CP rewrite finds the conv's pad and `conv1d` or taps in the graph)."""
+    return backend == "triton" and x.is_cuda and not torch.compiler.is_compiling()
+
+
+def conv_silu_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                     positions: torch.Tensor | None) -> torch.Tensor:
+    """SiLU of the causal conv of `x [B, T, C]` (zeros as left context; `positions [B, T]`: within
+    documents) -> `[B, T, C]` contiguous in x's dtype: one Triton kernel, fp32 inside. As the layer
+    states it, x is cast to the weight's dtype first; to float32 the kernel's fp32 read is that
+    cast (no fp32 copy), and its output is rounded to x's dtype once."""
+    taps_input = x if weight.dtype == torch.float32 else x.to(weight.dtype)
+    return torch.ops.cpcompile.gdn_conv(taps_input, weight, bias, positions, True, False).to(x.dtype)
+
+
+def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                backend: str = "eager", positions: torch.Tensor | None = None) -> torch.Tensor:
+    """The causal depthwise conv of one document a row, or of packed documents with `positions`
+    (`history`: the input with its left context).
 
     Under `torch.compile` (Dynamo tracing: the trainer's compiled layers, and the CP regions they
     inline, whose rewritten graphs call this function: `passes/gdn/conv_halo.py`) it is `conv_taps`' K
@@ -24,10 +51,23 @@ def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     time (benchmarks/results/trainer_profile_2026-12-03_NVIDIA-H200.md). Eagerly (a CP region's
     graph run eagerly included) and under `torch.export`, `F.conv1d`: one kernel, and autograd keeps
     only its input (the taps' would keep each tap's product). The taps sum in float32 at least, as
-    the conv kernels accumulate (fused, the float copies are registers, not memory)."""
+    the conv kernels accumulate (fused, the float copies are registers, not memory). On the
+    `triton` backend run eagerly on CUDA, `cpcompile::gdn_conv` on the history read token-major
+    (a transposed view, no copy), its output returned as a `[B, C, T]` view of token-major memory,
+    so that the region's SiLU and transpose back keep that layout.
+
+    With `positions [B, T]` (packed documents, a CP region's rewritten taps:
+    `passes/gdn/conv_taps.py`) it is `conv_taps` with them, eagerly in the history's dtype as the
+    layer traced it, or the Triton conv."""
     if torch.compiler.is_dynamo_compiling():
         wide = torch.promote_types(history.dtype, torch.float32)
-        return conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide)).to(history.dtype)
+        out = conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide), positions)
+        return out.to(history.dtype)
+    if triton_conv_applies(history, backend):
+        out = torch.ops.cpcompile.gdn_conv(history.transpose(1, 2), weight, bias, positions, False, True)
+        return out.transpose(1, 2)
+    if positions is not None:
+        return conv_taps(history, weight, bias, positions)
     return F.conv1d(history, weight, bias, groups=history.shape[1])
 
 

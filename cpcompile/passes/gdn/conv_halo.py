@@ -2,7 +2,8 @@
 
 Every method first gives the causal conv its true left context (`fill_conv_halo`): the last
 `kernel − 1` pre-conv tokens of rank r−1 (zeros on rank 0) replace the zero left-pad, and a
-traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`), and q, k
+traced `F.conv1d` becomes a call of `kernels.gdn.conv.causal_conv` (`conv_for_compile`; the
+packed-documents taps likewise, `conv_taps.taps_for_compile`), and q, k
 and v reach the core contiguous when compiled (`contiguous_qkv_when_compiled`); in
 Head-Tail order each of a rank's two fragments gets its own (`head_tail.fill_head_tail_conv_halo`).
 Then the method rewrites the core (`passes/cores.py` runs both): Ulysses (`ulysses.py`), State-P2P (`p2p.py`), State-AllGather
@@ -20,6 +21,7 @@ from ...kernels.gdn.layout import contiguous_when_compiled
 from ...methods import CONTIGUOUS, HEAD_TAIL, MethodSpec
 from ..comm import note_once, shift_to_next_rank
 from ..graph_utils import Emitter, val
+from .conv_taps import taps_for_compile
 from .fragments import PASS
 from .head_tail import fill_head_tail_conv_halo
 from .match import CONV_OPS, CORE, GdnMatch, conv_args, find_gdn_cores
@@ -44,7 +46,8 @@ def fill_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> None:
     else:
         history = fill_conv_halo(gm, match, ctx)
         for conv in [user for user in history.users if user.target in CONV_OPS]:
-            conv_for_compile(gm, conv)
+            conv_for_compile(gm, conv, match.backend)
+        taps_for_compile(gm, history, match.backend)  # packed documents: the traced taps, one call
     contiguous_qkv_when_compiled(gm, match)
 
 
@@ -79,11 +82,12 @@ def fill_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassContext) -> fx.
     return history
 
 
-def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
+def conv_for_compile(gm: fx.GraphModule, conv: fx.Node, backend: str) -> None:
     """A traced depthwise `conv1d(history, weight, bias)` (stride 1, no padding: the halo is in
-    `history`) becomes a call of `causal_conv`: the same `F.conv1d` when the region runs eagerly,
-    its fused taps when a compiled layer inlines the region (Dynamo traces the call). Any other
-    conv, or one traced with keyword arguments, is left as traced."""
+    `history`) becomes a call of `causal_conv`: the same `F.conv1d` when the region runs eagerly
+    (the Triton conv on the triton core `backend` on CUDA), its fused taps when a compiled layer
+    inlines the region (Dynamo traces the call). Any other conv, or one traced with keyword
+    arguments, is left as traced."""
     if conv.kwargs:
         return
     history, weight, bias, stride, padding, dilation, groups = conv_args(conv)
@@ -91,7 +95,7 @@ def conv_for_compile(gm: fx.GraphModule, conv: fx.Node) -> None:
     if not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
         return
     with gm.graph.inserting_before(conv):
-        call = gm.graph.call_function(causal_conv, (history, weight, bias))
+        call = gm.graph.call_function(causal_conv, (history, weight, bias, backend))
     call.meta.update(conv.meta)
     conv.replace_all_uses_with(call)
     gm.graph.erase_node(conv)

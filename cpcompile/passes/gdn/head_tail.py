@@ -27,6 +27,7 @@ from ...errors import CPInputError
 from ...kernels.gdn.conv import causal_conv
 from ..comm import exchange_with_neighbours, note_once
 from ..graph_utils import Emitter, val
+from .conv_taps import find_conv_taps, taps_per_fragment
 from .fragments import PASS
 from .match import CONV_OPS, SLICE_OPS, GdnMatch, conv_args
 
@@ -103,9 +104,10 @@ def fill_head_tail_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassConte
 
     The traced conv reads one left-padded `[B, C, 2c]` input, whose tail would see the head's end;
     it is replaced by the conv of each fragment with its own halo in front: a depthwise `conv1d`
-    becomes two `causal_conv` calls, and each tap slice of the packed-documents conv
-    (`conv_taps`) the same window of both fragments' histories (its position test then stops
-    the halo at a document start, as on a contiguous rank)."""
+    becomes two `causal_conv` calls, and so does the packed-documents conv (`conv_taps`, traced
+    tap by tap: `conv_taps.taps_per_fragment`), each with its fragment's positions, whose test
+    stops the halo at a document start as on a contiguous rank. Taps not recognised as that are
+    rewritten slice by slice: each reads the same window of both fragments' histories."""
     pad = match.conv_pad
     x = pad.args[0]
     length = val(x).shape[-1]
@@ -117,9 +119,12 @@ def fill_head_tail_conv_halo(gm: fx.GraphModule, match: GdnMatch, ctx: PassConte
     emit = Emitter(gm.graph, pad, PASS)
     histories = [emit(aten.cat.default, [halo, emit(aten.slice.Tensor, x, 2, slot * chunk, (slot + 1) * chunk)], 2)
                  for slot, halo in enumerate(_fragment_halos(emit, ctx, x, chunk, match.halo))]
+    taps = find_conv_taps(pad)
+    if taps is not None:  # packed documents: one causal_conv a fragment (the pad then has no users)
+        taps_per_fragment(gm, taps, histories, chunk, match.backend)
     for user in list(pad.users):
         if user.target in CONV_OPS:
-            user.replace_all_uses_with(_conv_per_fragment(emit, user, histories))
+            user.replace_all_uses_with(_conv_per_fragment(emit, user, histories, match.backend))
         elif user.target in SLICE_OPS and user.args[1] == 2:
             start = user.args[2]
             windows = [emit(aten.slice.Tensor, h, 2, start, start + chunk) for h in histories]
@@ -147,11 +152,11 @@ def _fragment_halos(emit: Emitter, ctx: PassContext, x: fx.Node, chunk: int, hal
     return [emit(aten.permute.default, rows, [1, 2, 0]) for rows in (head_halo, tail_halo)]
 
 
-def _conv_per_fragment(emit: Emitter, conv: fx.Node, histories: list[fx.Node]) -> fx.Node:
+def _conv_per_fragment(emit: Emitter, conv: fx.Node, histories: list[fx.Node], backend: str) -> fx.Node:
     """`conv1d(history, weight, bias)` of the traced layer as one `causal_conv` per fragment."""
     _, weight, bias, stride, padding, dilation, groups = conv_args(conv)
     depthwise = weight is not None and val(weight).shape[1] == 1 and groups == val(histories[0]).shape[1]
     if conv.kwargs or not (depthwise and set(stride) == {1} and set(padding) == {0} and set(dilation) == {1}):
         raise CPInputError(f"the GDN conv {conv.name} is not a stride-1 depthwise conv1d without padding; "
                            "Head-Tail order splits only that conv per fragment")
-    return emit(aten.cat.default, [emit(causal_conv, h, weight, bias) for h in histories], 2)
+    return emit(aten.cat.default, [emit(causal_conv, h, weight, bias, backend) for h in histories], 2)

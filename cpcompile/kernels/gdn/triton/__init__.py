@@ -5,7 +5,8 @@ Importing this package does not import triton: ``capability`` is pure PyTorch; `
 ``backend`` (the ``triton`` backend of the layer-level ops, ``cpcompile.kernels.gdn.layer_ops``) and ``launch`` (the entry points over the stage files: ``prepare``,
 ``state``, ``output``, ``p2p_summary``, ``p2p_output``, ``bwd_state``, ``bwd_inter``,
 ``bwd_prepare``, ``l2norm``; shared pieces in ``helpers`` and ``launching``) load triton and are
-imported on first attribute access. The State-P2P chain steps are ``cpcompile.kernels.gdn.summary.chain_step`` /
+imported on first attribute access. ``conv`` holds the layer's causal conv + SiLU kernels (the op
+``cpcompile::gdn_conv`` in ``kernels.gdn.conv_ops`` imports it at its first real call). The State-P2P chain steps are ``cpcompile.kernels.gdn.summary.chain_step`` /
 ``chain_grad_step``.
 """
 
