@@ -21,10 +21,17 @@ import torch.nn.functional as F
 from . import conv_ops  # noqa: F401  (registers cpcompile::gdn_conv)
 
 
+# The Triton conv is proven against its oracle on CPU, in Triton's interpreter, only: it has not
+# run on a GPU yet. It stays off until a GPU run has checked and timed it (`pytest -m gpu
+# tests/kernels/test_gdn_conv_triton.py`, `benchmarks/gdn_conv.py --tune`, then the benchmark);
+# until then eager CUDA layers keep `F.conv1d` and `conv_taps`.
+TRITON_CONV_ON_GPU = False
+
+
 def triton_conv_applies(x: torch.Tensor, backend: str) -> bool:
     """The `triton` backend on CUDA, run eagerly: not under Dynamo (whose inductor fuses the taps)
     nor `torch.export` (a CP rewrite finds the conv's pad and `conv1d` or taps in the graph)."""
-    return backend == "triton" and x.is_cuda and not torch.compiler.is_compiling()
+    return TRITON_CONV_ON_GPU and backend == "triton" and x.is_cuda and not torch.compiler.is_compiling()
 
 
 def conv_silu_tokens(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
