@@ -14,7 +14,8 @@
 #            (trainer_vs_hf.py, ~8 min), one rank's device memory through the pretrained load at
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
-#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining)
+#            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
+#            pending_a|pending_b)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -126,6 +127,35 @@ if has trainer; then
     done
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 5)" python3 benchmarks/hf_trainer_gpu.py \
       --max-seconds "$(left 10)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
+  fi
+  # what the session of 2026-12-06 (third) built without device time, in two calls of ~9 min each:
+  # pending_a: the GPU tests of the changed paths (the cp 1 attention path and the loss's Triton chunk
+  # kernels in bf16 against float64, the Triton GDN conv), the HF Trainer row of issue 52, and the eager
+  # 32K step against transformers + fla-core + cut-cross-entropy (issue 48 item 5), profiled;
+  # pending_b: the Triton conv's tile sweep and timing (then set TRITON_CONV_ON_GPU in
+  # kernels/gdn/conv.py if it passes and wins), masked vs unmasked local attention (item 3), packed
+  # GDN against the unpacked core (item 4)
+  if [ "$what" = pending_a ]; then
+    end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/train/test_attention_without_cp_gpu.py \
+      tests/train/test_linear_cross_entropy.py tests/kernels/test_gdn_conv_triton.py --tb=short 2>&1 \
+      | tee "$out/pending_tests.log" | grep -E "passed|failed|^E " | head -20
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 300)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 305)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
+    timeout "$(left 120)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
+      --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 100 --total-seconds 200 \
+      --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
+    timeout "$(left 5)" python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 4 --compile-backend eager \
+      --profile > "$out/eager_profile.log" 2>&1; grep -E "^step|^\|" "$out/eager_profile.log" | head -25
+  fi
+  if [ "$what" = pending_b ]; then
+    end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
+    timeout 150 python3 benchmarks/gdn_conv.py --tune --T 32768 2>&1 | tee "$out/gdn_conv_tune.log" | grep "^|"
+    timeout 120 python3 benchmarks/gdn_conv.py --out "$out/gdn_conv.md" 2>&1 | grep "^|"
+    timeout -s INT "$(left 160)" python3 benchmarks/masked_attention.py --seq 8192 32768 131072 \
+      --out "$out/masked_attention.md" > "$out/masked.log" 2>&1; grep "^|" "$out/masked.log" | head -60
+    timeout -s INT "$(left 5)" python3 benchmarks/gdn_documents.py --families core_op layer \
+      --out "$out/gdn_documents.md" 2>&1 | tee "$out/gdn_documents.log" | grep "^|"
   fi
 fi
 if has multi && [ "$gpus" -ge 2 ]; then
