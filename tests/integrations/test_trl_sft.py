@@ -51,7 +51,7 @@ def _documents(seed: int, count: int):
 
 def _model(name: str, seed: int, reference: bool):
     """Float32. `reference` (the one-process run): Qwen3.5's GDN layers reset at packed documents,
-    as under CP (transformers' own carry the state across them: docs/hf_trainer.md)."""
+    as under CP (given TRL's varlen keys on CPU, transformers 5.25's own raise: docs/hf_trainer.md)."""
     import torch
 
     from cp_harness import tiny_llama
