@@ -3,6 +3,8 @@ ids restarting at 0 at each document) plus the two lines that give it context pa
 
     torchrun --nproc-per-node 2 examples/hf_trainer_sft.py --plan plan.yaml      # cp 2 (the plan's cp_size)
     torchrun --nproc-per-node 4 examples/hf_trainer_sft.py --cp 2 --fsdp         # dp 2 x cp 2, FSDP2 over all 4
+    accelerate launch --multi_gpu --num_processes 2 examples/hf_trainer_sft.py  # cp 2 (accelerate's torchrun;
+                                                                                 # on CPU too: use_cpu keeps gloo)
     python examples/hf_trainer_sft.py                                            # one process, no CP
 
 Without `--plan` the script writes cpcompile's suggestion for this model (`cpcompile.suggest_plan`,
@@ -38,6 +40,8 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--fsdp", action="store_true", help="FSDP2 over dp x cp instead of DDP")
     parser.add_argument("--output-dir", default="hf_trainer_sft_out")
     parser.add_argument("--cpu", action=argparse.BooleanOptionalAction, default=not torch.cuda.is_available())
+    parser.add_argument("--print-losses", action="store_true", help="print each step's loss in full precision "
+                        "at the end (the log rounds it), and the world size: to compare launches")
     return parser.parse_args()
 
 
@@ -94,6 +98,9 @@ def main() -> None:
     plan = opts.plan or suggested_plan(tiny_model(), opts.seq_len, opts.output_dir, opts.cpu, opts.cp)
     trainer = context_parallel(trainer, plan=plan, fsdp=opts.fsdp)  # added line 2 of 2
     trainer.train()
+    if opts.print_losses and trainer.is_world_process_zero():
+        losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+        print(f"world {trainer.args.world_size} losses {' '.join(repr(loss) for loss in losses)}")
     trainer.save_model(os.path.join(opts.output_dir, "final"))  # a normal checkpoint: from_pretrained reads it
 
 

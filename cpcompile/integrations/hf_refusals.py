@@ -5,6 +5,7 @@ batch without positions, which only a batch can show (`refuse_packing_without_po
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from ..errors import CPConfigError, CPInputError
@@ -16,10 +17,26 @@ _PREFIX = "cpcompile.integrations.transformers"
 def refuse_unsupported_trainer(trainer: Any, plan: Plan, world_size: int, fsdp: bool = False) -> None:
     """Every setting of `trainer` and `plan` the integration cannot run exactly (`fsdp`: context_parallel's)."""
     args = trainer.args
+    _refuse_lone_accelerate_cpu_process(world_size)
     _refuse_engines(trainer, args)
     _refuse_own_context_parallelism(trainer, args)
     _refuse_topology(plan, world_size, fsdp)
     _refuse_loss_paths(trainer, args)
+
+
+def _refuse_lone_accelerate_cpu_process(world_size: int) -> None:
+    # `accelerate launch --cpu --num_processes N` (N > 1) without `--mpirun_hostfile`: accelerate 1.16's
+    # simple launcher starts this one process, with MASTER_ADDR/PORT set but no RANK, and the stock
+    # Trainer trains alone, silently; CP would fail on the world size or the missing RANK instead
+    env = os.environ
+    if world_size > 1 or "RANK" in env or "MASTER_ADDR" not in env:
+        return
+    if env.get("ACCELERATE_USE_CPU", "").lower() not in ("true", "1", "yes", "y", "on"):
+        return
+    raise CPConfigError(f"{_PREFIX}: `accelerate launch --cpu` started this process alone (MASTER_ADDR set, no "
+                        "RANK): accelerate starts several CPU processes only through mpirun (--mpirun_hostfile); "
+                        "launch with `accelerate launch --multi_gpu --num_processes N` (its torchrun; "
+                        "use_cpu=True keeps gloo) or with torchrun")
 
 
 def _refuse_engines(trainer: Any, args: Any) -> None:

@@ -5,8 +5,8 @@
                                plan="plan.yaml")   # `cpcompile plan MODEL --cp N --seq-len S` writes one
     trainer.train()
 
-launched by `torchrun` as before: world = dp x cp, dp = world / the plan's cp_size. What changes,
-and why each step keeps the CP=1 numbers (docs/hf_trainer.md):
+launched by `torchrun` (or `accelerate launch --multi_gpu`) as before: world = dp x cp, dp = world /
+the plan's cp_size. What changes, and why each step keeps the CP=1 numbers (docs/hf_trainer.md):
 
 - data: every rank of a cp group reads the same global batch (`hf_data.shard_over_dp`);
 - the first batch compiles the model (`cpcompile.compile`, in place: parameter names unchanged, so

@@ -4,6 +4,9 @@ group of the test session, no accelerate state left behind; one fork instead of 
 each on its own fresh Trainer."""
 from __future__ import annotations
 
+import contextlib
+import os
+
 import pytest
 
 from dist_utils import run_distributed
@@ -33,6 +36,9 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     """(exception class name, message) of what `context_parallel` (or the first step) raised."""
     from cpcompile.integrations.transformers import context_parallel
 
+    if rule == "accelerate_cpu_alone":
+        with _accelerate_cpu_launch_env():
+            return _refusal(rank, world, "as launched")
     trainer, cp, plan_changes, fsdp = _trainer(), 2, {}, False
     if rule == "deepspeed":
         trainer.args.deepspeed = "ds_zero3.json"  # set after init: DeepSpeed itself need not be installed
@@ -66,6 +72,21 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     return "nothing", ""
 
 
+@contextlib.contextmanager
+def _accelerate_cpu_launch_env():
+    """The environment `accelerate launch --cpu --num_processes 2 script.py` (accelerate 1.16, no
+    --mpirun_hostfile) gives the one process it starts: ACCELERATE_USE_CPU and MASTER_ADDR/PORT, no RANK."""
+    saved = dict(os.environ)
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        os.environ.pop(name, None)
+    os.environ.update(ACCELERATE_USE_CPU="True", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500")
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def _refusals(rank: int, world: int, rules: tuple[str, ...]) -> dict[str, tuple[str, str]]:
     return {rule: _refusal(rank, world, rule) for rule in rules}
 
@@ -79,6 +100,8 @@ RULES = [
     ("fsdp_on_an_older_trainer", "CPConfigError", ("fsdp=True", "is_distributed_loading_by_transformers")),
     ("packing_without_positions", "CPInputError", ("packing", "position_ids")),
     ("world_not_divisible", "CPConfigError", ("world size 1", "not divisible", "cp_size=2")),
+    ("accelerate_cpu_alone", "CPConfigError", ("accelerate launch --cpu", "alone", "--mpirun_hostfile",
+                                               "--multi_gpu", "torchrun")),
 ]
 _cache: dict[str, tuple[str, str]] = {}
 
