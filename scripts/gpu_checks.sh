@@ -15,7 +15,7 @@
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
-#            pending_a|pending_b)
+#            pending_a|pending_b|pending_c)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -147,6 +147,15 @@ if has trainer; then
       --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
     timeout "$(left 5)" python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 4 --compile-backend eager \
       --profile > "$out/eager_profile.log" 2>&1; grep -E "^step|^\|" "$out/eager_profile.log" | head -25
+  fi
+  # pending_c: why CP=2's last rank gains 1.48x from compiling where rank 0 gains 2.0x: both profiled,
+  # compiled (its eager step beside it, as in `remaining`); ~6 min
+  if [ "$what" = pending_c ]; then
+    for rank in last first; do
+      timeout 270 python3 benchmarks/trainer_gpu.py --simulate-cp 2 --tokens 64K --sdpa all_gather \
+        --compile-backend inductor --ranks $rank --warmup 2 --steps 1 --profile --max-seconds 260 \
+        2>&1 | tee "$out/compiled_${rank}_profile.log" | grep "^|" | head -30
+    done
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
