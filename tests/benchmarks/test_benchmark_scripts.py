@@ -3,23 +3,17 @@ below 4 ranks) passing its equivalence checks; the GDN kernel tuner and accuracy
 (Triton's CPU interpreter, tiny shapes, no timing or accuracy claim). (`overlap_report.py` is not run
 here: its processes sometimes abort at exit after the profiler, "terminate called without an active
 exception" — seen once in about a dozen runs, a teardown crash outside our code that a CI check must
-not depend on.)"""
+not depend on.) The two gloo scripts run in ranks forked from the test process (`script_ranks.py`),
+as torchrun would run them, without two fresh interpreters and torchrun's own."""
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
+from script_ranks import run_script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", script), *args]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
 
 
 # One method of each kind the script runs differently (sync and async SDPA, GDN eager and Triton)
@@ -29,9 +23,9 @@ SMOKE_METHODS = ("all_gather", "async_ulysses", "gdn_ulysses_eager", "gdn_p2p_tr
 
 
 def test_cp_methods_smoke_on_gloo():
-    res = _torchrun("cp_methods.py", "--device", "cpu", "--size", "tiny", "--local-len", "64", "--check-len", "32",
-                    "--warmup", "0", "--repeat", "1", "--methods", *SMOKE_METHODS, "hybrid")
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    stdout = run_script("cp_methods.py", "--device", "cpu", "--size", "tiny", "--local-len", "64", "--check-len", "32",
+                        "--warmup", "0", "--repeat", "1", "--methods", *SMOKE_METHODS, "hybrid", ranks=2)
+    rows = [line for line in stdout.splitlines() if line.startswith("| ")]
     table = rows[rows.index(next(r for r in rows if r.startswith("| method"))):]
     methods = {r.split("|")[1].strip(): r for r in table[1:]}
     for method in SMOKE_METHODS:
@@ -43,9 +37,9 @@ def test_cp_methods_smoke_on_gloo():
 def test_sdpa_vs_torch_cp_smoke_on_gloo():
     """Every cpcompile SDPA row runs and sees the single-device loss (PyTorch's own context_parallel
     has no CPU kernels: its row must say why it did not run, not stop the script)."""
-    res = _torchrun("sdpa_vs_torch_cp.py", "--device", "cpu", "--size", "tiny", "--seq", "256", "--heads", "gqa",
-                    "--warmup", "0", "--repeat", "1")
-    rows = {r.split("|")[1].strip(): r.split("|") for r in res.stdout.splitlines() if r.startswith("| ")}
+    stdout = run_script("sdpa_vs_torch_cp.py", "--device", "cpu", "--size", "tiny", "--seq", "256", "--heads", "gqa",
+                        "--warmup", "0", "--repeat", "1", ranks=2)
+    rows = {r.split("|")[1].strip(): r.split("|") for r in stdout.splitlines() if r.startswith("| ")}
     single_loss = float(rows["no CP (1 device)"][-2])
     for method in ("all_gather", "ulysses", "head_tail", "async_all_gather", "async_ulysses"):
         assert abs(float(rows[f"cpcompile {method}"][-2]) - single_loss) < 1e-4, rows[f"cpcompile {method}"]
