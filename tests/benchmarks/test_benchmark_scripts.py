@@ -3,17 +3,11 @@ below 4 ranks) passing its equivalence checks; the GDN kernel tuner and accuracy
 (Triton's CPU interpreter, tiny shapes, no timing or accuracy claim). (`overlap_report.py` is not run
 here: its processes sometimes abort at exit after the profiler, "terminate called without an active
 exception" — seen once in about a dozen runs, a teardown crash outside our code that a CI check must
-not depend on.) The two gloo scripts run in ranks forked from the test process (`script_ranks.py`),
-as torchrun would run them, without two fresh interpreters and torchrun's own."""
+not depend on.) Each script runs in processes forked from the test process (`script_ranks.py`), the
+gloo ones on 2 ranks as torchrun would run them, without fresh interpreters (and torchrun's own)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 from script_ranks import run_script
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 # One method of each kind the script runs differently (sync and async SDPA, GDN eager and Triton)
@@ -46,26 +40,18 @@ def test_sdpa_vs_torch_cp_smoke_on_gloo():
     assert "NotImplementedError" in "|".join(rows["torch context_parallel"])
 
 
-def _interpreted(script: str, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
-
-
 def test_gdn_kernel_tuner_smoke():
     """The `--tune` sweep reaches every GDN kernel key and keeps one setting each (CPU interpreter)."""
     from cpcompile.kernels.gdn.triton import launching
 
-    out = _interpreted("gdn_kernels.py", "--smoke")
+    out = run_script("gdn_kernels.py", "--smoke")
     chosen = {line.split("|")[1].strip() for line in out.splitlines() if line.endswith("* |")}
     assert chosen == set(launching.NUM_WARPS), out[-2000:]
 
 
 def test_gdn_accuracy_smoke():
     """Every accuracy variant runs, and the fp32 kernels stay at fp32 rounding of the float64 oracle."""
-    out = _interpreted("gdn_accuracy.py", "--smoke", "--seeds", "1")
+    out = run_script("gdn_accuracy.py", "--smoke", "--seeds", "1")
     rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in out.splitlines() if r.startswith("| ")}
     assert {"kernels as shipped (API)", "fp32 kernels on the same (bf16-valued) inputs"} <= set(rows), out[-2000:]
     assert max(float(x) for x in rows["fp32 kernels on the same (bf16-valued) inputs"]) < 1e-5
@@ -73,7 +59,7 @@ def test_gdn_accuracy_smoke():
 
 def test_gdn_stress_accuracy_smoke():
     """`--stress` runs its regimes, with no NaN, and the fp32 Triton core is at fp32 rounding."""
-    out = _interpreted("gdn_accuracy.py", "--smoke", "--stress")
+    out = run_script("gdn_accuracy.py", "--smoke", "--stress")
     assert "Rows with a NaN or Inf anywhere: 0." in out, out[-2000:]
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| one chunk")]
     assert len(rows) == 4  # each row printed as it is measured, then in the table
