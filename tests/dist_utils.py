@@ -189,7 +189,7 @@ def _collect(procs, reports, world_size, timeout):
                     errors[r] = "stopped after another rank failed"
             break
         try:
-            rank, ok, payload = reports.get(timeout=0.1)
+            rank, ok, payload, audits = reports.get(timeout=0.1)
         except queue.Empty:
             # A rank that died without reporting (segfault, os._exit, killed for memory).
             for r, p in enumerate(procs):
@@ -201,6 +201,7 @@ def _collect(procs, reports, world_size, timeout):
                         first_failure = first_failure or time.monotonic()
             continue
         _record(rank, ok, payload, results, errors, exceptions)
+        _keep_length_audits(audits)
         if not ok and first_failure is None:
             first_failure = time.monotonic()
     return results, errors, exceptions
@@ -209,10 +210,11 @@ def _collect(procs, reports, world_size, timeout):
 def _drain(reports, results, errors, exceptions) -> None:
     while True:
         try:
-            rank, ok, payload = reports.get(timeout=0.2)
+            rank, ok, payload, audits = reports.get(timeout=0.2)
         except queue.Empty:
             return
         _record(rank, ok, payload, results, errors, exceptions)
+        _keep_length_audits(audits)
 
 
 def _record(rank, ok, payload, results, errors, exceptions) -> None:
@@ -226,6 +228,40 @@ def _record(rank, ok, payload, results, errors, exceptions) -> None:
             exceptions[rank] = pickle.loads(exc_bytes)
         except Exception:  # an exception class that cannot be rebuilt: the text is enough
             pass
+
+
+# The local-length audit's findings (cpcompile.installed_region.LENGTH_AUDITS) are cached per process
+# and keyed so that a finding holds for every module and call alike: ranks send the ones they added
+# back, and the test process keeps them, so later forked ranks inherit them instead of tracing the
+# same region again (~0.7 s of CPU per rank and region kind on the CI box), as one long-lived process
+# would. Findings whose key or value cannot be pickled (a class local to a test) stay in their rank.
+def _length_audits():
+    module = sys.modules.get("cpcompile.installed_region")
+    return module.LENGTH_AUDITS if module is not None else {}
+
+
+def _new_length_audits(known: set) -> list[bytes]:
+    found = []
+    for key, reads in list(_length_audits().items()):
+        if key not in known:
+            try:
+                found.append(pickle.dumps((key, reads)))
+            except Exception:  # noqa: BLE001 - not picklable: the next rank audits it again
+                pass
+    return found
+
+
+def _keep_length_audits(found: list[bytes]) -> None:
+    module = sys.modules.get("cpcompile.installed_region")
+    for item in found if module is not None else ():
+        try:
+            key, reads = pickle.loads(item)
+        except Exception:  # noqa: BLE001 - a class the test process cannot import
+            continue
+        module.LENGTH_AUDITS[key] = reads
+        module.LENGTH_AUDITS.move_to_end(key)
+        if len(module.LENGTH_AUDITS) > module.LENGTH_AUDITS_KEPT:
+            module.LENGTH_AUDITS.popitem(last=False)
 
 
 def _stop(procs) -> None:
@@ -250,6 +286,7 @@ def _rank_main(fn, rank, world_size, args, reports, base_env, timeout, init_pg, 
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
+    audits_known = set(_length_audits())
     try:
         if init_pg:
             dist.init_process_group(
@@ -257,7 +294,7 @@ def _rank_main(fn, rank, world_size, args, reports, base_env, timeout, init_pg, 
                 timeout=datetime.timedelta(seconds=timeout),
             )
         result = fn(rank, world_size, *args)
-        reports.put((rank, True, pickle.dumps(result)))
+        reports.put((rank, True, pickle.dumps(result), _new_length_audits(audits_known)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the test
         text = traceback.format_exc()
         try:
@@ -265,7 +302,7 @@ def _rank_main(fn, rank, world_size, args, reports, base_env, timeout, init_pg, 
             pickle.loads(exc_bytes)
         except Exception:
             exc_bytes = None
-        reports.put((rank, False, (text, exc_bytes)))
+        reports.put((rank, False, (text, exc_bytes), _new_length_audits(audits_known)))
     finally:
         if dist.is_initialized():
             try:

@@ -3,23 +3,11 @@ below 4 ranks) passing its equivalence checks; the GDN kernel tuner and accuracy
 (Triton's CPU interpreter, tiny shapes, no timing or accuracy claim). (`overlap_report.py` is not run
 here: its processes sometimes abort at exit after the profiler, "terminate called without an active
 exception" — seen once in about a dozen runs, a teardown crash outside our code that a CI check must
-not depend on.)"""
+not depend on.) Each script runs in processes forked from the test process (`script_ranks.py`), the
+gloo ones on 2 ranks as torchrun would run them, without fresh interpreters (and torchrun's own)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _torchrun(script: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "benchmarks", script), *args]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
+from script_ranks import run_script
 
 
 # One method of each kind the script runs differently (sync and async SDPA, GDN eager and Triton)
@@ -29,9 +17,9 @@ SMOKE_METHODS = ("all_gather", "async_ulysses", "gdn_ulysses_eager", "gdn_p2p_tr
 
 
 def test_cp_methods_smoke_on_gloo():
-    res = _torchrun("cp_methods.py", "--device", "cpu", "--size", "tiny", "--local-len", "64", "--check-len", "32",
-                    "--warmup", "0", "--repeat", "1", "--methods", *SMOKE_METHODS, "hybrid")
-    rows = [line for line in res.stdout.splitlines() if line.startswith("| ")]
+    stdout = run_script("cp_methods.py", "--device", "cpu", "--size", "tiny", "--local-len", "64", "--check-len", "32",
+                        "--warmup", "0", "--repeat", "1", "--methods", *SMOKE_METHODS, "hybrid", ranks=2)
+    rows = [line for line in stdout.splitlines() if line.startswith("| ")]
     table = rows[rows.index(next(r for r in rows if r.startswith("| method"))):]
     methods = {r.split("|")[1].strip(): r for r in table[1:]}
     for method in SMOKE_METHODS:
@@ -43,35 +31,27 @@ def test_cp_methods_smoke_on_gloo():
 def test_sdpa_vs_torch_cp_smoke_on_gloo():
     """Every cpcompile SDPA row runs and sees the single-device loss (PyTorch's own context_parallel
     has no CPU kernels: its row must say why it did not run, not stop the script)."""
-    res = _torchrun("sdpa_vs_torch_cp.py", "--device", "cpu", "--size", "tiny", "--seq", "256", "--heads", "gqa",
-                    "--warmup", "0", "--repeat", "1")
-    rows = {r.split("|")[1].strip(): r.split("|") for r in res.stdout.splitlines() if r.startswith("| ")}
+    stdout = run_script("sdpa_vs_torch_cp.py", "--device", "cpu", "--size", "tiny", "--seq", "256", "--heads", "gqa",
+                        "--warmup", "0", "--repeat", "1", ranks=2)
+    rows = {r.split("|")[1].strip(): r.split("|") for r in stdout.splitlines() if r.startswith("| ")}
     single_loss = float(rows["no CP (1 device)"][-2])
     for method in ("all_gather", "ulysses", "head_tail", "async_all_gather", "async_ulysses"):
         assert abs(float(rows[f"cpcompile {method}"][-2]) - single_loss) < 1e-4, rows[f"cpcompile {method}"]
     assert "NotImplementedError" in "|".join(rows["torch context_parallel"])
 
 
-def _interpreted(script: str, *args: str) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", script), *args], env=env,
-                         capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res.stdout
-
-
 def test_gdn_kernel_tuner_smoke():
     """The `--tune` sweep reaches every GDN kernel key and keeps one setting each (CPU interpreter)."""
     from cpcompile.kernels.gdn.triton import launching
 
-    out = _interpreted("gdn_kernels.py", "--smoke")
+    out = run_script("gdn_kernels.py", "--smoke")
     chosen = {line.split("|")[1].strip() for line in out.splitlines() if line.endswith("* |")}
     assert chosen == set(launching.NUM_WARPS), out[-2000:]
 
 
 def test_gdn_accuracy_smoke():
     """Every accuracy variant runs, and the fp32 kernels stay at fp32 rounding of the float64 oracle."""
-    out = _interpreted("gdn_accuracy.py", "--smoke", "--seeds", "1")
+    out = run_script("gdn_accuracy.py", "--smoke", "--seeds", "1")
     rows = {r.split("|")[1].strip(): r.split("|")[2:-1] for r in out.splitlines() if r.startswith("| ")}
     assert {"kernels as shipped (API)", "fp32 kernels on the same (bf16-valued) inputs"} <= set(rows), out[-2000:]
     assert max(float(x) for x in rows["fp32 kernels on the same (bf16-valued) inputs"]) < 1e-5
@@ -79,7 +59,7 @@ def test_gdn_accuracy_smoke():
 
 def test_gdn_stress_accuracy_smoke():
     """`--stress` runs its regimes, with no NaN, and the fp32 Triton core is at fp32 rounding."""
-    out = _interpreted("gdn_accuracy.py", "--smoke", "--stress")
+    out = run_script("gdn_accuracy.py", "--smoke", "--stress")
     assert "Rows with a NaN or Inf anywhere: 0." in out, out[-2000:]
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| one chunk")]
     assert len(rows) == 4  # each row printed as it is measured, then in the table

@@ -3,20 +3,13 @@ two lines, and cpcompile's trainer, each rank 0 of CP=2 under the fake process g
 for rank 0's half of the sequence. No speed or memory claim here (the GPU run makes those)."""
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from script_ranks import run_script
 
 
 def test_both_rows_produce_numbers(tmp_path):
     out = tmp_path / "result.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "hf_trainer_gpu.py"), "--small", "--device", "cpu",
-           "--seq-len", "64", "--warmup", "1", "--steps", "1", "--max-seconds", "500", "--out", str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_script("hf_trainer_gpu.py", "--small", "--device", "cpu", "--seq-len", "64", "--warmup", "1", "--steps", "1",
+               "--max-seconds", "500", "--out", str(out))
     rows = {cells[0]: cells for cells in ([c.strip() for c in line.split("|")[1:-1]]
                                            for line in out.read_text().splitlines()[4:])}
     assert sorted(rows) == ["cpcompile_trainer", "hf_trainer"], out.read_text()

@@ -5,11 +5,12 @@ row's shard must equal its slices of the files. Device columns are n/a on CPU.""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from script_ranks import run_script  # noqa: E402
 
 
 def test_rows_are_both_ends_of_every_mesh_with_a_cp_rewrite():
@@ -22,11 +23,8 @@ def test_rows_are_both_ends_of_every_mesh_with_a_cp_rewrite():
 
 def test_smoke_on_cpu_loads_each_ranks_own_slices(tmp_path):
     out = tmp_path / "table.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "load_memory_gpu.py"), "--device", "cpu", "--small",
-           "--simulate-cp", "4", "--dp-shard", "2", "--out", str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    stdout = run_script("load_memory_gpu.py", "--device", "cpu", "--small", "--simulate-cp", "4", "--dp-shard", "2",
+                        "--out", str(out), timeout=300)
     lines = [line for line in out.read_text().splitlines() if line.startswith("| ")]
     head = [cell.strip() for cell in lines[0].split("|")[1:-1]]
     rows = [dict(zip(head, (cell.strip() for cell in line.split("|")[1:-1]))) for line in lines[1:]]
@@ -36,4 +34,4 @@ def test_smoke_on_cpu_loads_each_ranks_own_slices(tmp_path):
         assert row["load peak device MiB"] == "n/a" and row["load peak / full model"] == "n/a", row
         assert 0 < float(row["shard MiB"]) < 1, row  # a quarter of the tiny model's ~0.8 MiB
         assert all(float(v) >= 0 for v in row["host RSS peak above start MiB (build, load)"].split(",")), row
-    assert out.read_text() in res.stdout
+    assert out.read_text() in stdout

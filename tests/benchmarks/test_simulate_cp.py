@@ -4,7 +4,6 @@ of collectives, each checked against the formula of that module's doc."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -14,26 +13,24 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
+from script_ranks import run_script  # noqa: E402
+
 
 def test_simulate_cp_prints_a_row_per_rank_with_bytes_sent():
     """... for SDPA Head-Tail (GDN then in Head-Tail order too: both kinds of CP collectives and the
     layout's reordering; AllGather's collectives are counted in `test_bytes_sent_match_the_formulas`), the last rank
     (its bytes include the GDN chain's sends), and, with --profile, its ops in one step more."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_gpu.py"), "--simulate-cp", "2", "--small",
-           "--device", "cpu", "--tokens", "64", "--sdpa", "head_tail", "--steps", "1", "--profile",
-           "--ranks", "last"]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    table = res.stdout[res.stdout.index("| SDPA | N |"):].split("\n\n")[0].splitlines()[2:]
+    stdout = run_script("trainer_gpu.py", "--simulate-cp", "2", "--small", "--device", "cpu", "--tokens", "64",
+                        "--sdpa", "head_tail", "--steps", "1", "--profile", "--ranks", "last")
+    table = stdout[stdout.index("| SDPA | N |"):].split("\n\n")[0].splitlines()[2:]
     rows = [[cell.strip() for cell in line.split("|")[1:-1]] for line in table]
     assert [row[:5] for row in rows] == [["head_tail", "2", "64", "32", "1"]]
     for row in rows:
         sent_cp = float(row[10].split("(")[1].split()[0])
         assert sent_cp > 0, row
         assert float(row[8]) > 0 and float(row[6]) > 0, row  # compute time, memory estimate
-    assert "\n| head_tail | 2 | 64 | " in res.stdout.split("The CP=N job")[1]  # its job line
-    assert res.stdout.count("Self CPU time total") == 1, res.stdout[:3000]  # the rank's profile
+    assert "\n| head_tail | 2 | 64 | " in stdout.split("The CP=N job")[1]  # its job line
+    assert stdout.count("Self CPU time total") == 1, stdout[:3000]  # the rank's profile
 
 
 def test_the_counted_step_is_never_the_first():

@@ -6,22 +6,19 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import trainer_vs_hf  # noqa: E402
+from script_ranks import run_script  # noqa: E402
 
 
 def test_one_row_per_method_and_a_results_file(tmp_path):
     out = tmp_path / "result.md"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "trainer_vs_hf.py"), "--small", "--device", "cpu",
-           "--seq-lens", "256", "--warmup", "1", "--repeat", "1", "--out", str(out)]
-    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    run_script("trainer_vs_hf.py", "--small", "--device", "cpu", "--seq-lens", "256", "--warmup", "1", "--repeat", "1",
+               "--out", str(out))
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[1:-1]]
             for line in out.read_text().splitlines() if line.startswith("| ") and "seq len" not in line}
     for method in ("cpcompile", "hf"):
