@@ -71,10 +71,10 @@ def test_gdn_conv_benchmark_smoke():
     """Every conv method runs forward and backward, unpacked and with documents, and the Triton
     op's bf16 output is within bf16 rounding of the float64 oracle (the interpreter truncates when
     it rounds to bf16: up to one bf16 step, 2^-7 relative)."""
-    out = _interpreted("gdn_conv.py", "--smoke", "--bias")
+    out = run_script("gdn_conv.py", "--smoke", "--bias")
     rows = [r.split("|")[1:-1] for r in out.splitlines() if r.startswith("| ") and "[1, 40, 24]" in r]
     assert len(rows) == 12, out[-2000:]  # 3 methods x 2 (unpacked, documents), printed and in the table
     for row in rows:
         assert float(row[7]) < 1e-2, row
-    tuned = _interpreted("gdn_conv.py", "--smoke", "--tune")
+    tuned = run_script("gdn_conv.py", "--smoke", "--tune")
     assert {r.split("|")[1].strip() for r in tuned.splitlines() if r.endswith("* |")} == {"fwd", "bwd"}, tuned
