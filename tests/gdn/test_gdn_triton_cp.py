@@ -131,6 +131,26 @@ def test_cp_triton_matches_eager_reference_in_interpreter():
     _check_interpreted(results)
 
 
+def _cpu_body_on_triton_conv(rank: int, world: int, seed: int) -> dict:
+    """`_cpu_body`'s State-P2P with the region's conv (F.conv1d on the halo-filled history, made a
+    `causal_conv` call) on the Triton conv, as on CUDA once `TRITON_CONV_ON_GPU` is on; counted."""
+    import cpcompile.kernels.gdn.conv as conv_module
+
+    taken = []
+    conv_module.triton_conv_applies = lambda x, backend: (
+        backend == "triton" and not torch.compiler.is_compiling() and not taken.append(backend))
+    result = _cpu_body(rank, world, seed, methods=("p2p",))
+    assert taken, "the region's conv never took the Triton conv"
+    return result
+
+
+@cpu_only
+def test_cp_triton_on_the_triton_conv_matches_eager_reference_in_interpreter():
+    """As above, State-P2P with the CP region's conv (its halo from the previous rank) on the Triton conv."""
+    _check_interpreted(run_distributed(_cpu_body_on_triton_conv, 2, random.randrange(1 << 30), timeout=300,
+                                       env={"TRITON_INTERPRET": "1"}))
+
+
 def _check_interpreted(results: list[dict]) -> None:
     """fp32: within 1e-4 of the eager CP=1 run, except the decay parameters' gradients, which must
     be as close to a float64 run as the eager CP=1 run is (they sum many cancelling terms)."""
@@ -192,11 +212,20 @@ def test_p2p_op_chain_matches_whole_sequence_in_interpreter():
         assert max(errors.values()) <= 1e-4, (rank, errors)
 
 
-def _packed_body(rank: int, world: int, seed: int) -> dict:
+def _packed_body(rank: int, world: int, seed: int, triton_conv: bool) -> dict:
     """A tiny Qwen3.5 (GDN head dims 16) on the packed row of test_gdn_packed, its GDN layers on
     triton State-P2P, Ulysses, State-P2P (SDPA AllGather), against the unrewritten model (eager GDN
-    core) on each document alone: logits, loss and every gradient."""
+    core) on each document alone: logits, loss and every gradient. `triton_conv`: the regions' conv
+    (the packed taps made one `causal_conv` call, passes/gdn/conv_taps.py) runs the Triton conv, as
+    on CUDA once `TRITON_CONV_ON_GPU` is on; the calls that took it are counted."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    import cpcompile.kernels.gdn.conv as conv_module
+
+    taken = []
+    if triton_conv:  # what `triton_conv_applies` says on CUDA with the switch on, here on CPU tensors
+        conv_module.triton_conv_applies = lambda x, backend: (
+            backend == "triton" and not torch.compiler.is_compiling() and not taken.append(backend))
 
     from cp_harness import cp_outputs, each_document_alone
     from gdn_harness import TEXT, decay_vs_truth, gdn_wrapper, use_reference_gdn
@@ -219,20 +248,23 @@ def _packed_body(rank: int, world: int, seed: int) -> dict:
     grads = {n: rel(got["grads"][n], g) for n, g in want["grads"].items()}
     return {"logits": rel(got["logits"], want["logits"]), "loss": rel(got["loss"], want["loss"]), "grads": grads,
             "decay_vs_truth": decay_vs_truth(got["grads"], want["grads"], truth["grads"]),
-            "interpreted": _interpreted_kernels()}
+            "interpreted": _interpreted_kernels(), "triton_conv_calls": len(taken)}
 
 
 @cpu_only
-def test_packed_cp_triton_equals_each_document_alone_in_interpreter():
+@pytest.mark.parametrize("triton_conv", [False, True], ids=["torch_conv", "triton_conv"])
+def test_packed_cp_triton_equals_each_document_alone_in_interpreter(triton_conv):
     """Packed documents (odd lengths, one crossing the rank boundary, some shorter than the conv)
     through triton State-P2P and Ulysses on 2 gloo ranks, fp32: logits, loss and gradients within
     1e-4 of each document run alone, the decay parameters' gradients as close to a float64 run as
-    the fp32 reference is (as the eager backend's packed test)."""
+    the fp32 reference is (as the eager backend's packed test); also with the regions' conv on the
+    Triton conv (off on GPUs until a GPU run has checked it: kernels/gdn/conv.py)."""
     from gdn_harness import DECAY_PARAMS, assert_decay_as_close_as_reference
 
-    for result in run_distributed(_packed_body, 2, random.randrange(1 << 30), timeout=600,
+    for result in run_distributed(_packed_body, 2, random.randrange(1 << 30), triton_conv, timeout=600,
                                   env={"TRITON_INTERPRET": "1"}):
         assert result["interpreted"], result
+        assert (result["triton_conv_calls"] > 0) == triton_conv, result
         rest = [e for n, e in result["grads"].items() if not n.endswith(DECAY_PARAMS)]
         assert max([result["logits"], result["loss"], *rest]) <= 1e-4, result
         assert_decay_as_close_as_reference(result["decay_vs_truth"])
