@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import argparse
 import datetime as _dt
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from cpcompile.kernels.gdn.conv import conv_silu_tokens, conv_taps
+from gdn_kernels import time_cuda  # the GDN benchmarks' one timer (median of CUDA events; once on CPU)
 
 KERNEL = 4
 
@@ -70,25 +69,6 @@ def document_positions(batch: int, length: int, seed: int = 0) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def timed(fn, warmup: int, repeat: int, cuda: bool) -> float:
-    if not cuda:  # --smoke: once, wall clock
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def peak_mib(fn, cuda: bool) -> str:
     if not cuda:
         return "-"
@@ -114,7 +94,7 @@ def bench(name, fn, x, weight, bias, positions, truth, warmup, repeat, cuda) -> 
         torch.autograd.grad(fn(x, weight, bias, positions), leaves, grad)
 
     err = (forward().double() - truth).abs().max().item() / truth.abs().max().item()
-    fwd, both = timed(forward, warmup, repeat, cuda), timed(step, warmup, repeat, cuda)
+    fwd, both = time_cuda(forward, warmup, repeat), time_cuda(step, warmup, repeat)
     shape = f"[{x.shape[0]}, {x.shape[1]}, {x.shape[2]}]"
     docs = "documents" if positions is not None else "-"
     return (f"| {name} | {shape} | {docs} | {warmup}/{repeat} | {fwd:.3f} | {both:.3f} | {peak_mib(step, cuda)} "
@@ -157,7 +137,7 @@ def tune(length: int, channels: int, warmup: int, repeat: int, smoke: bool) -> l
     default) over token tile x channel tile x warps; -> a table, the fastest of each kernel starred."""
     from cpcompile.kernels.gdn.triton import conv as kernels
 
-    cuda, device = not smoke, ("cpu" if smoke else "cuda")
+    device = "cpu" if smoke else "cuda"
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(1, length, channels, generator=gen).to(device, torch.bfloat16).requires_grad_()
     weight = (torch.randn(channels, 1, KERNEL, generator=gen) / 2).to(device, torch.bfloat16).requires_grad_()
@@ -180,7 +160,7 @@ def tune(length: int, channels: int, warmup: int, repeat: int, smoke: bool) -> l
                 for name, value in (("CONV_BT", bt), ("CONV_BC", bc), ("CONV_WARPS", warps)):
                     setattr(kernels, name, dict(defaults[name], **{kernel: value}))
                 try:
-                    rows.append([kernel, bt, bc, warps, f"{timed(fn, warmup, repeat, cuda):.3f}"])
+                    rows.append([kernel, bt, bc, warps, f"{time_cuda(fn, warmup, repeat):.3f}"])
                 except Exception as exc:  # e.g. out of registers or shared memory: the row says so
                     rows.append([kernel, bt, bc, warps, f"failed: {type(exc).__name__}"])
                 print(rows[-1], flush=True)

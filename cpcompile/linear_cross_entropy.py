@@ -99,10 +99,14 @@ def valid_rows(targets: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.T
     return rows, chosen
 
 
-def _uses_triton(hidden: torch.Tensor) -> bool:
+def uses_triton_chunk_work(device_type: str, float64: bool) -> bool:
     """Uncompiled chunk work on CUDA runs the Triton kernels (`kernels/loss/`); float64 and the CPU
-    keep the ATen sequence."""
-    return hidden.is_cuda and hidden.dtype != torch.float64
+    keep the ATen sequence (also what the trainer's memory estimate counts)."""
+    return device_type == "cuda" and not float64
+
+
+def _uses_triton(hidden: torch.Tensor) -> bool:
+    return uses_triton_chunk_work(hidden.device.type, hidden.dtype == torch.float64)
 
 
 def triton_chunk():

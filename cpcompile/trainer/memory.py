@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from ..linear_cross_entropy import uses_triton_chunk_work
 from .config import TrainConfig
 from .memory_layers import (
     AttentionWork, ElementSizes, attention_kernel_groups_heads, final_norm_bytes, layer_checkpointing,
@@ -194,7 +195,7 @@ def _loss_chunk_work(settings, sizes: ElementSizes) -> str:
     kernels (uncompiled on CUDA, below float64) or as the eager ATen sequence."""
     if settings.loss_compile_backend() is not None:
         return "compiled"
-    return "triton" if settings.device == "cuda" and sizes.compute != 8 else "eager"
+    return "triton" if uses_triton_chunk_work(settings.device, sizes.compute == 8) else "eager"
 
 
 def loss_bytes(settings, text, sizes: ElementSizes, tokens: int, chunk_work: str = "eager") -> int:
