@@ -69,13 +69,21 @@ def causal_conv(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     if torch.compiler.is_dynamo_compiling():
         wide = torch.promote_types(history.dtype, torch.float32)
         out = conv_taps(history.to(wide), weight.to(wide), None if bias is None else bias.to(wide), positions)
-        return out.to(history.dtype)
+        return out.to(conv_output_dtype(history))
     if triton_conv_applies(history, backend):
         out = torch.ops.cpcompile.gdn_conv(history.transpose(1, 2), weight, bias, positions, False, True)
         return out.transpose(1, 2)
     if positions is not None:
-        return conv_taps(history, weight, bias, positions)
+        return conv_taps(history, weight, bias, positions).to(conv_output_dtype(history))
     return F.conv1d(history, weight, bias, groups=history.shape[1])
+
+
+def conv_output_dtype(history: torch.Tensor) -> torch.dtype:
+    """The dtype `F.conv1d` gives: autocast's where it is on (a Trainer's `bf16=True` runs the layers
+    under autocast, and the graph the region traced there expects the conv's output in it), else
+    the input's."""
+    device = history.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else history.dtype
 
 
 def conv_taps(history: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
