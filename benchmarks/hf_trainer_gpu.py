@@ -3,7 +3,8 @@
 
     python benchmarks/hf_trainer_gpu.py                     # 32K tokens a rank (64K a step), H100/H200
     options: --seq-len 32768 --warmup 2 --steps 3 --max-seconds 240 --trainer-loss chunked|full
-             --gdn-backend triton|eager --out FILE          (exit status 1 when a row failed)
+             --hf-loss chunked|model --compile-backend inductor|eager --gdn-backend triton|eager
+             --rows hf_trainer,cpcompile_trainer --out FILE   (exit status 1 when a row failed)
     python benchmarks/hf_trainer_gpu.py --small --device cpu --seq-len 64 --warmup 1 --steps 1   # smoke
 
 Two rows, each in its own subprocess (one that fails or runs out of memory is a row saying so, and
@@ -19,15 +20,19 @@ costs nothing, the loss is meaningless):
   DDP's reducer asserts on that ("expected the hook result is either a Tensor or a TensorList found
   None"); so, in this script only, DDP gets a comm hook doing its default work (divide by the world,
   all-reduce) that returns the bucket. float32 parameters under bf16 autocast (`bf16=True`),
-  gradient checkpointing on every decoder layer (non-reentrant), the model's own loss (the whole
-  logits, upcast to float32), AdamW (lr 3e-4, weight decay 0.01), clipping at 1.0, batch 1, logging
-  off. A step is timed from one
+  gradient checkpointing on every decoder layer (non-reentrant), the integration's defaults: the
+  decoder layers compiled (inductor on CUDA) and the chunked loss (`--hf-loss model`: the model's own,
+  the whole logits upcast to float32), AdamW (lr 3e-4, weight decay 0.01), clipping at 1.0, batch 1,
+  logging off. A step is timed from one
   `on_step_end` to the next (the data, the step and the optimizer; a callback synchronises the device).
 - `cpcompile_trainer`: cpcompile's trainer, what `trainer_gpu.py --simulate-cp 2 --tokens 2xSEQ
   --ranks first --sdpa all_gather` measures, run by that script (`--simulate-row`): FSDP2 over the 2
   fake ranks computing in bf16, activation checkpointing on every layer, `--trainer-loss` (the
-  trainer's default `chunked`: no logits; `full` for the HF loss's memory), eager layers (its
-  default under CP: as the HF row).
+  trainer's default `chunked`: no logits; `full` for the HF loss's memory), its layers compiled
+  (inductor on CUDA, as the HF row's).
+
+`--compile-backend` sets both rows' layer backend (default: each one's own, inductor on CUDA);
+`--rows` runs some of the rows only.
 
 Both build trainer_gpu.py's Qwen3.5-shaped 0.57B model (random weights, seed 0; `--small`: its tiny
 twin) and run the same plan (trainer_gpu.config: SDPA AllGather `sdpa_hf`, GDN State-P2P on the Triton
@@ -152,7 +157,8 @@ def hf_trainer_row(args) -> dict:
         logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
     trainer = Trainer(model=model, args=training, train_dataset=rows, data_collator=default_data_collator,
                       callbacks=[timer])
-    trainer = context_parallel(trainer, plan=plan_dict(args))  # the example's added line
+    trainer = context_parallel(trainer, plan=plan_dict(args), compile_backend=args.compile_backend,
+                               loss=args.hf_loss)  # the example's added line
     timer.trainer = trainer
     seen = []  # the tokens the model is called with: rank 0's slice, not the whole sequence
     model.register_forward_pre_hook(lambda module, a, kw: seen.append(kw["input_ids"].shape[-1]), with_kwargs=True)
@@ -175,6 +181,7 @@ def cpcompile_command(args) -> list[str]:
             "--warmup", str(args.warmup), "--steps", str(args.steps), "--device", args.device,
             "--loss", args.trainer_loss, "--ac", "every_layer", *(["--small"] if args.small else []),
             *(["--gdn-backend", args.gdn_backend] if args.gdn_backend else []),
+            *(["--compile-backend", args.compile_backend] if args.compile_backend else []),
             "--simulate-row", json.dumps(spec)]
 
 
@@ -218,13 +225,13 @@ def _marked(stdout: str, mark: str) -> dict | None:
 
 
 def table(args, rows: dict) -> str:
-    reference = rows["cpcompile_trainer"].get("tokens_per_s")
+    reference = rows.get("cpcompile_trainer", {}).get("tokens_per_s")
     model = "tiny Qwen3.5" if args.small else "Qwen3.5-shaped 0.57B"
     lines = [f"{model}, {args.device}, rank {RANK} of CP={CP} (fake process group), {CP * args.seq_len} tokens a step "
              f"(one unpadded sequence), {args.seq_len} on this rank; cpcompile trainer loss: {args.trainer_loss}", "",
              "| method | parallel | global x local tokens | warm-up/measured | s/step | tokens/s (rank) | peak GiB | "
              "tokens/s vs cpcompile trainer |", "|---|---|---|---|---|---|---|---|"]
-    for name in ROWS:
+    for name in rows:
         row = rows[name]
         first = f"| {name} | {row.get('parallel', '-')} | {CP * args.seq_len} x {row.get('local_tokens', '-')} | " \
                 f"{args.warmup}/{args.steps} |"
@@ -249,12 +256,19 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--gdn-backend", default=None, choices=("triton", "eager"),
                         help="both rows' GDN core: default triton on cuda, eager on cpu (triton on cpu: "
                              "TRITON_INTERPRET=1)")
+    parser.add_argument("--hf-loss", default=None, choices=("chunked", "model"),
+                        help="the HF row's context_parallel(loss=...); default: the integration's (chunked)")
+    parser.add_argument("--compile-backend", default=None,
+                        help="both rows' decoder-layer torch.compile backend (eager: none); default: each one's own")
+    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, of " + ", ".join(ROWS))
     parser.add_argument("--max-seconds", type=float, default=240.0, help="for both rows together")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
     parser.add_argument("--row", default=None, choices=("hf_trainer",), help=argparse.SUPPRESS)  # in the child
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup >= 1 (the first step compiles) and --steps >= 1")
+    if not args.rows or set(args.rows.split(",")) - set(ROWS):
+        parser.error(f"--rows {args.rows!r}: name some of {', '.join(ROWS)}")
     return args
 
 
@@ -264,9 +278,10 @@ def main() -> None:
         print(ROW_MARK + json.dumps(hf_trainer_row(args)), flush=True)
         return
     start, rows = time.perf_counter(), {}
-    for index, name in enumerate(ROWS):
+    names = [name for name in ROWS if name in args.rows.split(",")]
+    for index, name in enumerate(names):
         left = args.max_seconds - (time.perf_counter() - start)
-        budget = left - RESERVE_SECONDS * (len(ROWS) - 1 - index)
+        budget = left - RESERVE_SECONDS * (len(names) - 1 - index)
         rows[name] = run_row(args, name, max(budget, 1.0))
         print(f"[{time.perf_counter() - start:.0f} s] {name}: {rows[name]}", flush=True)
     text = table(args, rows)

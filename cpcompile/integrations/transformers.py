@@ -18,6 +18,8 @@ the plan's cp_size. What changes, and why each step keeps the CP=1 numbers (docs
   mean over dp, the logged loss the CP=1 loss. Evaluation runs the same path (loss only);
 - `fsdp=True`: FSDP2 over dp x cp instead of DDP (`hf_fsdp`: PyTorch's `fully_shard`, the same
   gradient scale); `save_model` gathers the full state dict;
+- speed (`hf_step`): the decoder layers compiled (inductor on CUDA), and the loss computed without
+  the logits where the Trainer's own compute_loss runs, as cpcompile's trainer does;
 - what it cannot run exactly is refused before any step (`hf_refusals`).
 
 `ContextParallelMixin` is the same thing as a class, for a script that defines its own subclass:
@@ -40,6 +42,7 @@ from ..pipeline import compile as cp_compile
 from ..plan import Plan, load_plan
 from .hf_data import count_targets, shard_over_dp, without_varlen_keys
 from .hf_fsdp import full_state_dict, leave_reduction_to_model, shard_compiled_model
+from .hf_step import chunked_loss_wanted, compile_layers, install_chunked_loss, layer_compile_backend, with_loss_targets
 from .hf_refusals import packing_is_on, refuse_packing_without_positions, refuse_unsupported_trainer
 
 __all__ = ["ContextParallelMixin", "context_parallel"]
@@ -56,6 +59,8 @@ class CPSetup:
     pad_token_id: int
     packing: bool
     fsdp: bool = False
+    layer_backend: str | None = None  # the decoder layers' torch.compile backend; None: eager
+    chunked_loss: bool = False
     compiled: bool = False
 
     @property
@@ -63,16 +68,27 @@ class CPSetup:
         return self.mesh.cp_size
 
 
-def context_parallel(trainer: Any, plan: Any, *, fsdp: bool = False, dump_dir: str | None = None) -> Any:
+def context_parallel(trainer: Any, plan: Any, *, fsdp: bool = False, compile_backend: str | None = None,
+                     loss: str | None = None, loss_chunk_tokens: int = 4096, dump_dir: str | None = None) -> Any:
     """`trainer` (a `transformers.Trainer` or subclass, not yet trained) made context parallel by
     `plan` (a YAML path, a dict or a `cpcompile.Plan`); returns the same object, its class given
     `ContextParallelMixin`. `fsdp`: shard the model with FSDP2 over dp x cp (PyTorch's `fully_shard`,
-    applied here) instead of the Trainer's DDP. `dump_dir`: cpcompile's debug dump of the rewritten regions."""
+    applied here) instead of the Trainer's DDP. `compile_backend`: the decoder layers' `torch.compile`
+    backend ("eager": none; None: inductor on CUDA, eager elsewhere). `loss`: "chunked" (without the
+    logits, `loss_chunk_tokens` tokens at a time), "model" (the model's own) or None (chunked where the
+    Trainer's own compute_loss runs): `hf_step`. `dump_dir`: cpcompile's debug dump of the rewritten regions."""
     if getattr(trainer, "_cp", None) is not None:
         raise CPConfigError("cpcompile.integrations.transformers: context_parallel was already applied to this trainer")
+    if isinstance(loss_chunk_tokens, bool) or not isinstance(loss_chunk_tokens, int) or loss_chunk_tokens < 1:
+        raise CPConfigError(f"cpcompile.integrations.transformers: loss_chunk_tokens={loss_chunk_tokens!r}; "
+                            "expected a positive int")
     plan = load_plan(plan)
     world = dist.get_world_size() if dist.is_initialized() else 1
     refuse_unsupported_trainer(trainer, plan, world, fsdp)
+    layer_backend = layer_compile_backend(compile_backend, trainer.args.device.type)
+    chunked = chunked_loss_wanted(trainer, loss, ContextParallelMixin)
+    if chunked:
+        install_chunked_loss(trainer.model, loss_chunk_tokens, layer_backend)
     plan = _plan_for_world(plan, world, fsdp)
     mesh = build_mesh(plan.accelerator, device_type=trainer.args.device.type)
     cp = plan.cp_size
@@ -80,7 +96,8 @@ def context_parallel(trainer: Any, plan: Any, *, fsdp: bool = False, dump_dir: s
     dp_rank = (dist.get_rank() if dist.is_initialized() else 0) // cp
     if fsdp:
         leave_reduction_to_model(trainer)
-    trainer._cp = CPSetup(plan, mesh, world // cp, dp_rank, _pad_token_id(trainer), packing_is_on(trainer), fsdp)
+    trainer._cp = CPSetup(plan, mesh, world // cp, dp_rank, _pad_token_id(trainer), packing_is_on(trainer), fsdp,
+                          layer_backend, chunked)
     trainer._cp_dump_dir = dump_dir
     if not isinstance(trainer, ContextParallelMixin):
         trainer.__class__ = _with_mixin(type(trainer))
@@ -118,6 +135,8 @@ class ContextParallelMixin:
         local = self._local_batch(inputs, num_items_in_batch)
         num_items_in_batch = local.pop("num_items_in_batch", num_items_in_batch)
         self._compile_once(local)
+        if self._cp.chunked_loss and not return_outputs and "shift_labels" in local:
+            local = with_loss_targets(local)  # the model's call returns the loss without the logits
         # outputs only when asked: TRL's SFTTrainer runs one more forward (for the logits) to return them
         result = super().compute_loss(model, local, return_outputs=return_outputs,
                                       num_items_in_batch=num_items_in_batch)
@@ -177,6 +196,8 @@ class ContextParallelMixin:
         example = {k: v for k, v in local.items() if k not in ("labels", "shift_labels")}
         cp_compile(self.model, self._cp.mesh, self._cp.plan, example_inputs=example,
                    dump_dir=getattr(self, "_cp_dump_dir", None))
+        if self._cp.layer_backend is not None:
+            compile_layers(self.model, self._cp.layer_backend)  # after gradient checkpointing, before FSDP2
         if self._cp.fsdp:
             shard_compiled_model(self, self._cp.mesh)  # after compile, as cpcompile's trainer does
         self._cp.compiled = True

@@ -104,13 +104,20 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
 
         plan = cpcompile.suggest_plan(make_model(name, seed), cp, PLAN_LENGTH, gdn_backend="eager").plan
         trainer = context_parallel(trainer, plan=plan, fsdp=fsdp)
+    # the chunked loss (the stock Trainer's default under CP) never runs the head whole in a step
+    # (CP's own checks, run while it compiles at the first batch, do)
+    head_calls = []
+    compiling = lambda: not getattr(getattr(trainer, "_cp", None), "compiled", True)  # noqa: E731
+    hook = model.get_output_embeddings().register_forward_hook(lambda *_: compiling() or head_calls.append(1))
     trainer.train()
+    hook.remove()
     history = trainer.state.log_history
     return {"loss": [h["loss"] for h in history if "loss" in h],
             "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
             "eval_loss": trainer.evaluate()["eval_loss"],
             "tokens": trainer.state.num_input_tokens_seen,
             "saved": saved_matches(trainer, name, out_dir), "shards": _shards(trainer.model),
+            "head_calls": len(head_calls),
             "seconds": time.perf_counter() - start}
 
 

@@ -81,6 +81,7 @@ def _assert_same_run(results: list[dict], reference: dict, cp: int, seed: int, f
                 assert _close(g, w, 1e-4), f"{where}: step {step} grad norm {g} vs {w}"
             assert _close(got[case]["eval_loss"], want["eval_loss"], 1e-5), where
             assert got[case]["tokens"] == want["tokens"], where
+            assert want["head_calls"] > 0 and got[case]["head_calls"] == 0, f"{where}: the loss ran the head whole"
             # FSDP2 shards over every rank of the job (dp x cp); DDP keeps whole parameters
             sharded = fsdp or case[-1] == "fsdp2"
             assert got[case]["shards"] == (len(results) if sharded else 1), where

@@ -39,7 +39,7 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     if rule == "accelerate_cpu_alone":
         with _accelerate_cpu_launch_env():
             return _refusal(rank, world, "as launched")
-    trainer, cp, plan_changes, fsdp = _trainer(), 2, {}, False
+    trainer, cp, plan_changes, fsdp, options = _trainer(), 2, {}, False, {}
     if rule == "deepspeed":
         trainer.args.deepspeed = "ds_zero3.json"  # set after init: DeepSpeed itself need not be installed
     elif rule == "parallelism_config":
@@ -58,10 +58,19 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     elif rule == "packing_without_positions":
         trainer.args.padding_free = True  # TRL's SFTConfig field
         cp = 1
+    elif rule == "chunked_loss_with_own_compute_loss":  # as TRL's SFTTrainer, which reads the logits
+        trainer.__class__ = type("OwnLossTrainer", (type(trainer),), {"compute_loss": lambda self, *a, **k: None})
+        cp, options = 1, {"loss": "chunked"}
+    elif rule == "unknown_loss":
+        cp, options = 1, {"loss": "fused"}
+    elif rule == "unknown_compile_backend":
+        cp, options = 1, {"compile_backend": "no_such_backend"}
+    elif rule == "loss_chunk_tokens":
+        cp, options = 1, {"loss_chunk_tokens": 0}
     plan = _plan(cp)
     plan["accelerator"].update(plan_changes)
     try:
-        trainer = context_parallel(trainer, plan=plan, fsdp=fsdp)
+        trainer = context_parallel(trainer, plan=plan, fsdp=fsdp, **options)
         if rule == "packing_without_positions":
             import torch
 
@@ -100,6 +109,11 @@ RULES = [
     ("fsdp_on_an_older_trainer", "CPConfigError", ("fsdp=True", "is_distributed_loading_by_transformers")),
     ("packing_without_positions", "CPInputError", ("packing", "position_ids")),
     ("world_not_divisible", "CPConfigError", ("world size 1", "not divisible", "cp_size=2")),
+    ("chunked_loss_with_own_compute_loss", "CPConfigError", ("loss='chunked'", "OwnLossTrainer", "compute_loss",
+                                                             "loss='model'")),
+    ("unknown_loss", "CPConfigError", ("loss='fused'", "chunked", "model")),
+    ("unknown_compile_backend", "CPConfigError", ("compile_backend", "no_such_backend")),
+    ("loss_chunk_tokens", "CPConfigError", ("loss_chunk_tokens=0", "positive")),
     ("accelerate_cpu_alone", "CPConfigError", ("accelerate launch --cpu", "alone", "--mpirun_hostfile",
                                                "--multi_gpu", "torchrun")),
 ]
