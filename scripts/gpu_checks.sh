@@ -15,7 +15,7 @@
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
-#            pending_a|pending_b|pending_c)
+#            pending_a|pending_b|pending_c|next)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -156,6 +156,19 @@ if has trainer; then
         --compile-backend inductor --ranks $rank --warmup 2 --steps 1 --profile --max-seconds 260 \
         2>&1 | tee "$out/compiled_${rank}_profile.log" | grep "^|" | head -30
     done
+  fi
+  # next: what the fifth session of 2026-12-06 built without a GPU, in one call (~8 min): the HF Trainer
+  # row with the integration's compiled layers and chunked loss (issue 52, both rows), then the eager 32K
+  # step against transformers + fla-core + cut-cross-entropy (issue 48 item 5). Needs the peer's wheel:
+  # `pip download --no-deps -d .whl cut-cross-entropy` here, then run with carry [".whl"]
+  if [ "$what" = next ]; then
+    end=$((SECONDS + 570)); left() { echo $((end - SECONDS - $1)); }
+    ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 200)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 205)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
+    timeout "$(left 5)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
+      --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 90 --total-seconds 190 \
+      --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }

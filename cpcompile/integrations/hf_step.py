@@ -26,12 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compiled import compile_around_regions
 from ..errors import CPConfigError, PlanError
 from ..linear_cross_entropy import linear_cross_entropy_sum
 from ..trainer.config_sections import DEFAULT_COMPILE_BACKENDS, EAGER, check_backend_name
 from ..trainer.lm_loss import base_model, check_forward_only_applies_the_head, plain_linear_head
-from ..trainer.parallelize import decoder_layers
 
 _PREFIX = "cpcompile.integrations.transformers"
 LOSS_TARGETS = "cpcompile_loss_targets"  # the keyword the chunked forward takes the shifted targets by
@@ -48,11 +46,6 @@ def layer_compile_backend(compile_backend: str | None, device_type: str) -> str 
     except PlanError as exc:
         raise CPConfigError(f"{_PREFIX}: {exc}") from exc
     return None if compile_backend == EAGER else compile_backend
-
-
-def compile_layers(model: nn.Module, backend: str) -> None:
-    for layer in decoder_layers(model):
-        layer.forward = compile_around_regions(layer.forward, backend)
 
 
 def chunked_loss_wanted(trainer: Any, loss: str | None, mixin: type) -> bool:

@@ -40,10 +40,11 @@ from ..errors import CPConfigError
 from ..mesh import CPMesh, build_mesh
 from ..pipeline import compile as cp_compile
 from ..plan import Plan, load_plan
+from ..trainer.parallelize import compile_layers  # the trainer's: every decoder layer's forward compiled
 from .hf_data import count_targets, shard_over_dp, without_varlen_keys
 from .hf_fsdp import full_state_dict, leave_reduction_to_model, shard_compiled_model
-from .hf_step import chunked_loss_wanted, compile_layers, install_chunked_loss, layer_compile_backend, with_loss_targets
 from .hf_refusals import packing_is_on, refuse_packing_without_positions, refuse_unsupported_trainer
+from .hf_step import chunked_loss_wanted, install_chunked_loss, layer_compile_backend, with_loss_targets
 
 __all__ = ["ContextParallelMixin", "context_parallel"]
 
