@@ -4,7 +4,7 @@ attention's varlen keys `cu_seq_lens_q/k`, `max_length_q/k`, `seq_idx` beside th
 (`context_parallel`, gloo) equals the stock SFTTrainer in one process, step by step: loss within
 1e-5 relative, gradient norm, eval loss, the number of model calls (TRL's own loss path, its fused
 LM head, reads no logits: no extra forward), and a checkpoint `from_pretrained` reads back. A tiny
-Llama and a tiny Qwen3.5 (1 GDN layer, 1 attention layer) in float32, one launch per world size for
+Llama and a tiny Qwen3.5 (3 GDN layers, 1 attention layer) in float32, one launch per world size for
 both, TRL's defaults otherwise (gradient checkpointing on). Qwen3.5's one-process reference runs
 cpcompile's GDN statement reset at each document: transformers 5.25's own GDN layer refuses the
 varlen keys on CPU (it keeps packed documents apart only with the causal_conv1d / fla kernels)."""
@@ -55,12 +55,12 @@ def _model(name: str, seed: int, reference: bool):
     import torch
 
     from cp_harness import tiny_llama
-    from gdn_harness import TWO_LAYERS, tiny_qwen3_5
+    from gdn_harness import tiny_qwen3_5
     from hf_trainer_cases import use_document_gdn
 
     if name == "llama":
         return tiny_llama(seed)
-    model = tiny_qwen3_5(seed, torch.float32, **TWO_LAYERS)  # a region of each kind (CI time)
+    model = tiny_qwen3_5(seed, torch.float32)
     return use_document_gdn(model) if reference else model
 
 
