@@ -14,7 +14,7 @@ from cp_harness import (
     HEAD_TAIL_WRAPPER, assert_equivalent, assert_fails_with, compare_cp_run, outcome_of, random_batch, sdpa_plan,
 )
 from dist_utils import run_distributed
-from gdn_harness import TWO_LAYERS, gdn_plan, tiny_qwen3_5, use_reference_gdn
+from gdn_harness import gdn_plan, tiny_qwen3_5, use_reference_gdn
 from model_zoo import build
 
 WORLD = 2
@@ -42,7 +42,7 @@ def _run(rank: int, world: int, seed: int) -> dict:
         plan = sdpa_plan(world, wrapper=wrapper, match=match)
         out[name] = compare_cp_run(lambda: build(name, seed), random_batch(seed + i, 2, LENGTH, padded), plan)
     # float64: fp32 gradients of the GDN decay parameters are ill-conditioned (gdn_harness)
-    out["qwen3_5"] = compare_cp_run(lambda: use_reference_gdn(tiny_qwen3_5(seed, torch.float64, **TWO_LAYERS)),
+    out["qwen3_5"] = compare_cp_run(lambda: use_reference_gdn(tiny_qwen3_5(seed, torch.float64)),
                                     random_batch(seed, 2, LENGTH, True), gdn_plan(world, "p2p", sdpa="sdpa_hf"))
     out["moe_aux_loss_config"] = outcome_of(lambda: compare_cp_run(
         lambda: build("qwen3_moe", seed, output_router_logits=True), random_batch(seed, 2, LENGTH, True),
