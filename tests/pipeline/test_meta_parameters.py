@@ -25,7 +25,7 @@ import torch
 
 from cp_harness import RunningSum, assert_fails_with, outcome_of, random_batch, sdpa_plan, tiny_qwen3
 from dist_utils import run_distributed
-from gdn_harness import TWO_LAYERS, gdn_plan, tiny_qwen3_5
+from gdn_harness import gdn_plan, tiny_qwen3_5
 
 WORLD = 2
 LENGTH = 16
@@ -124,7 +124,7 @@ def _fully_on_meta(seed: int):
 
 def _run(rank: int, world: int, seed: int) -> dict:
     results = {
-        "qwen3_5_gdn_p2p": _compare(lambda: tiny_qwen3_5(seed, **TWO_LAYERS), random_batch(seed + 1, 2, LENGTH, padded=True),
+        "qwen3_5_gdn_p2p": _compare(lambda: tiny_qwen3_5(seed), random_batch(seed + 1, 2, LENGTH, padded=True),
                                     gdn_plan(world, "p2p", sdpa="sdpa_hf")),
         "qwen3_all_gather_padded": _compare(lambda: tiny_qwen3(seed), random_batch(seed + 2, 2, LENGTH, padded=True),
                                             sdpa_plan(world)),
