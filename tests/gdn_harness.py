@@ -15,12 +15,17 @@ TEXT = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_l
 CHUNK = 8  # small, so that local lengths span several chunks and end mid-chunk
 
 
-def tiny_qwen3_5(seed: int, dtype=torch.float32):
-    """Qwen3_5ForCausalLM: 3 GDN layers + 1 full-attention layer."""
+# A Qwen3.5 of one GDN and one full-attention layer: one region of each kind, for tests whose cost is
+# tracing regions (every build, every rank) and whose checks hold per region.
+TWO_LAYERS = {"num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"]}
+
+
+def tiny_qwen3_5(seed: int, dtype=torch.float32, **changes):
+    """Qwen3_5ForCausalLM: 3 GDN layers + 1 full-attention layer (`changes` to `TEXT`: fewer, `TWO_LAYERS`)."""
     from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
 
     torch.manual_seed(seed)
-    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**TEXT, attn_implementation="sdpa")).to(dtype)
+    return Qwen3_5ForCausalLM(Qwen3_5TextConfig(**{**TEXT, **changes}, attn_implementation="sdpa")).to(dtype)
 
 
 def tiny_qwen3_5_vl(seed: int, dtype=torch.float32):

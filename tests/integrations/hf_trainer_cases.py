@@ -10,7 +10,7 @@ import types
 import torch
 
 from cp_harness import VOCAB, tiny_llama
-from gdn_harness import CHUNK, tiny_qwen3_5, use_reference_gdn
+from gdn_harness import CHUNK, TWO_LAYERS, tiny_qwen3_5, use_reference_gdn
 
 STEPS = 5
 LENGTH = 30  # not a multiple of 2 cp: CP right-pads every batch to 32 (at CP=4 under Head-Tail: chunks of 4
@@ -24,7 +24,7 @@ def make_model(name: str, seed: int, packed_reference: bool = False):
     if name == "llama":
         return tiny_llama(seed)
     # float64 with cpcompile's GDN statement as the reference (gdn_harness.use_reference_gdn)
-    model = tiny_qwen3_5(seed, torch.float64)
+    model = tiny_qwen3_5(seed, torch.float64, **TWO_LAYERS)  # one region of each kind (CI time: traces per rank)
     return use_document_gdn(model) if packed_reference else use_reference_gdn(model)
 
 

@@ -49,12 +49,15 @@ def _close(got: float, want: float, tol: float) -> bool:
 
 
 def test_trainer_at_cp_2_and_4_equals_one_process():
-    """cp 2 with DDP (the Trainer's) and with FSDP2 (`fsdp=True`: also the full checkpoint), cp 4 with DDP."""
+    """cp 2 with DDP (the Trainer's) and with FSDP2 (`fsdp=True`: also the full checkpoint) in one
+    launch, cp 4 with DDP."""
     seed = random.randrange(1 << 20)
     reference = run_distributed(_run_all, 1, seed, None, timeout=300, init_pg=False)[0]
-    for cp, cases, fsdp in ((2, CASES_DDP, False), (2, CASES_FSDP2, True), (4, CASES_AT_4, False)):
-        got = run_distributed(_run_all, cp, seed, cp, tuple(cases), fsdp, timeout=300)
-        _assert_same_run(got, {case: reference[case] for case in cases}, cp, seed, fsdp)
+    got = run_distributed(_run_all, 2, seed, 2, tuple(CASES_DDP), False, tuple(CASES_FSDP2), timeout=300)
+    _assert_same_run(got, {**{case: reference[case] for case in CASES_DDP},
+                           **{_fsdp2(case): reference[case] for case in CASES_FSDP2}}, 2, seed)
+    got = run_distributed(_run_all, 4, seed, 4, tuple(CASES_AT_4), False, timeout=300)
+    _assert_same_run(got, {case: reference[case] for case in CASES_AT_4}, 4, seed)
 
 
 def test_trainer_at_dp_2_cp_2_equals_dp_2():

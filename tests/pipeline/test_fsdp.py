@@ -8,7 +8,7 @@ import torch
 
 from cp_harness import random_batch, rel, sdpa_plan, tiny_qwen3
 from dist_utils import run_distributed
-from gdn_harness import gdn_plan, tiny_qwen3_5, use_reference_gdn, without_decay
+from gdn_harness import TWO_LAYERS, gdn_plan, tiny_qwen3_5, use_reference_gdn, without_decay
 
 
 def _fsdp_errors(rank: int, world: int, seed: int) -> dict:
@@ -17,7 +17,7 @@ def _fsdp_errors(rank: int, world: int, seed: int) -> dict:
 
     cases = {
         "sdpa_all_gather": (lambda: tiny_qwen3(seed), sdpa_plan(world)),
-        "gdn_p2p": (lambda: tiny_qwen3_5(seed, torch.float64), gdn_plan(world, "p2p", sdpa="sdpa_hf")),
+        "gdn_p2p": (lambda: tiny_qwen3_5(seed, torch.float64, **TWO_LAYERS), gdn_plan(world, "p2p", sdpa="sdpa_hf")),
     }
     errors = {}
     for name, (make, plan_dict) in cases.items():

@@ -11,7 +11,7 @@ import yaml
 
 from cp_harness import assert_equivalent, compare_cp_run, qwen3_with_heads, random_batch, tiny_llama, tiny_qwen3
 from dist_utils import run_distributed
-from gdn_harness import tiny_qwen3_5, use_reference_gdn
+from gdn_harness import TWO_LAYERS, tiny_qwen3_5, use_reference_gdn
 
 LENGTH = 32  # at CP=4 under Head-Tail: chunks of 4 tokens, not shorter than the GDN conv halo (3)
 # (model, the length the plan is suggested for): long sequences make causal attention dominate
@@ -21,8 +21,9 @@ CASES = {
     "qwen3 short": (lambda seed: tiny_qwen3(seed), 64),
     "qwen3 8 KV heads": (lambda seed: qwen3_with_heads(seed, 8, 8), 32768),
     # float64 with cpcompile's GDN statement as the reference (gdn_harness.use_reference_gdn)
-    "qwen3_5": (lambda seed: use_reference_gdn(tiny_qwen3_5(seed, torch.float64)), 32768),
-    "qwen3_5 short": (lambda seed: use_reference_gdn(tiny_qwen3_5(seed, torch.float64)), 64),
+    # one GDN and one attention layer (TWO_LAYERS): a choice for each kind of layer, half the traces
+    "qwen3_5": (lambda seed: use_reference_gdn(tiny_qwen3_5(seed, torch.float64, **TWO_LAYERS)), 32768),
+    "qwen3_5 short": (lambda seed: use_reference_gdn(tiny_qwen3_5(seed, torch.float64, **TWO_LAYERS)), 64),
 }
 
 

@@ -11,13 +11,15 @@ import random
 import pytest
 
 from dist_utils import run_distributed
-from gdn_harness import TEXT
+from gdn_harness import TEXT, TWO_LAYERS
 from test_trainer import _close, _curves, _run, qwen3_5_config, refusal, without_cp
 
 
 def _plain_and_offloaded(rank: int, world: int, seed: int) -> dict:
-    plain = _curves(_run(qwen3_5_config(seed, activation_checkpointing="every_layer")))
-    offloaded = _curves(_run(qwen3_5_config(seed, activation_checkpointing="every_layer", offload_layer_inputs=True)))
+    # one GDN and one attention layer (TWO_LAYERS): a region of each kind inside a checkpointed layer
+    plain = _curves(_run(qwen3_5_config(seed, activation_checkpointing="every_layer", model=TWO_LAYERS)))
+    offloaded = _curves(_run(qwen3_5_config(seed, activation_checkpointing="every_layer", offload_layer_inputs=True,
+                                            model=TWO_LAYERS)))
     return {"plain": plain, "offloaded": offloaded}
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from cp_harness import sdpa_plan
 from dist_utils import run_distributed
-from gdn_harness import TEXT, gdn_plan
+from gdn_harness import TEXT, TWO_LAYERS, gdn_plan
 
 STEPS = 4
 # lr 1e-3, not 1e-2: at 1e-2 these 4 random-token steps are chaotic enough that the float64 runs'
@@ -29,10 +29,17 @@ LR = 1e-3
 STEP_1_RTOL = 1e-8
 
 
-def qwen3_5_config(seed: int, cp: int = 2, dp_shard: int = 1, dp_replicate: int = 1, **train) -> dict:
+# The runs of this file: one GDN layer and one full-attention layer (TWO_LAYERS: both kinds of
+# region, each rewritten: GDN State-P2P, SDPA AllGather). Tracing a region is most of a trainer's
+# build on the CI box and a 4-rank job here builds five at cp 2, so two regions rather than TEXT's
+# four (3 GDN + 1 attention; the default, what other files import `qwen3_5_config` for).
+
+
+def qwen3_5_config(seed: int, cp: int = 2, dp_shard: int = 1, dp_replicate: int = 1, model: dict | None = None,
+                   **train) -> dict:
     plan = gdn_plan(cp, "p2p", sdpa="sdpa_hf")
     plan["accelerator"].update(dp_shard_size=dp_shard, dp_replicate_size=dp_replicate)
-    return {"model": {"model_type": "qwen3_5_text", **TEXT},
+    return {"model": {"model_type": "qwen3_5_text", **TEXT, **(model or {})},
             "train": {"steps": STEPS, "seq_len": 32, "batch_size": 4, "lr": LR, "seed": seed, "dtype": "float64",
                       "gdn_backend": "eager", **train},
             "optimizer": {"warmup_steps": 1}, **plan}
@@ -80,10 +87,11 @@ def _run_with_parameters(config: dict) -> tuple[list[tuple], list[float]]:
 def _four_ranks(rank: int, world: int, seed: int, folders: tuple[str, str]) -> dict:
     import torch.distributed as dist
 
-    base = qwen3_5_config(seed, cp=2, dp_shard=2)
+    base = qwen3_5_config(seed, cp=2, dp_shard=2, model=TWO_LAYERS)
     out = {}
     out["fsdp_cp"], out["parameters"] = _run_with_parameters(base)
-    out["with_ac"] = _curves(_run(qwen3_5_config(seed, cp=2, dp_shard=2, activation_checkpointing="every_layer")))
+    out["with_ac"] = _curves(_run(qwen3_5_config(seed, cp=2, dp_shard=2, model=TWO_LAYERS,
+                                                 activation_checkpointing="every_layer")))
     saving = dict(base, checkpoint={"folder": folders[0], "interval": 2})
     out["stopped"] = _curves(_run(saving, stop_after=2))
     out["resumed"] = _curves(_run(saving))
@@ -91,10 +99,10 @@ def _four_ranks(rank: int, world: int, seed: int, folders: tuple[str, str]) -> d
         shutil.rmtree(f"{folders[0]}/step-{STEPS}")
     dist.barrier()
     # the same checkpoint resumed with the data-parallel ranks replicating instead of sharding
-    out["resumed_other_dp"] = _curves(_run(dict(qwen3_5_config(seed, cp=2, dp_replicate=2),
+    out["resumed_other_dp"] = _curves(_run(dict(qwen3_5_config(seed, cp=2, dp_replicate=2, model=TWO_LAYERS),
                                                 checkpoint={"folder": folders[0]})))
     # dp_shard 4 without CP, stopped at step 2: the one-rank job resumes it
-    dp4 = dict(qwen3_5_config(seed, cp=1, dp_shard=4), checkpoint={"folder": folders[1]})
+    dp4 = dict(qwen3_5_config(seed, cp=1, dp_shard=4, model=TWO_LAYERS), checkpoint={"folder": folders[1]})
     out["dp4_stopped"] = _curves(_run(dp4, stop_after=2))
     return out
 
@@ -102,8 +110,8 @@ def _four_ranks(rank: int, world: int, seed: int, folders: tuple[str, str]) -> d
 def _one_rank(rank: int, world: int, seed: int, folders: tuple[str, str]) -> dict:
     from cpcompile.errors import CPConfigError
 
-    base = without_cp(qwen3_5_config(seed))
-    cp1 = qwen3_5_config(seed)
+    base = without_cp(qwen3_5_config(seed, model=TWO_LAYERS))
+    cp1 = qwen3_5_config(seed, model=TWO_LAYERS)
     cp1["accelerator"]["cp_size"] = 1
     out = {"no_cp": _curves(_run(base)), "cp1_with_plan": _curves(_run(cp1)),
            "dp1_resumed": _curves(_run(dict(base, checkpoint={"folder": folders[1]})))}

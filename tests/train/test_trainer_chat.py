@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from dist_utils import run_distributed
+from gdn_harness import TWO_LAYERS
 from test_trainer import STEP_1_RTOL, _close, _curves, _run, qwen3_5_config, without_cp
 from tokenizer_folder import DEFAULT_SYSTEM, EOS, VOCAB_SIZE, write_tokenizer_folder
 
@@ -328,7 +329,7 @@ def test_a_parquet_file_without_the_sources_column_is_refused_naming_it(tmp_path
 
 
 def _chat_run_config(seed: int, cp: int, path: str, folder: str) -> dict:
-    config = qwen3_5_config(seed, cp=cp, batch_size=2, seq_len=64, steps=3)
+    config = qwen3_5_config(seed, cp=cp, batch_size=2, seq_len=64, steps=3, model=TWO_LAYERS)  # a region of each kind
     config["model"]["vocab_size"] = VOCAB_SIZE
     config["data"] = {"source": "chat", "path": path, "tokenizer": folder, "packing": True}
     return config
