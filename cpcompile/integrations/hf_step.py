@@ -37,14 +37,18 @@ LOSSES = ("chunked", "model")
 IGNORE_INDEX = -100
 
 
-def layer_compile_backend(compile_backend: str | None, device_type: str) -> str | None:
-    """The backend the decoder layers compile with, None to leave them eager."""
+def layer_compile_backend(compile_backend: str | None, device_type: str, trainer_compiles: bool) -> str | None:
+    """The backend the decoder layers compile with, None to leave them eager; `trainer_compiles`:
+    the Trainer's own `args.torch_compile`, which would compile the whole model around them again."""
     if compile_backend is None:
         compile_backend = DEFAULT_COMPILE_BACKENDS.get(device_type, EAGER)
     try:
         check_backend_name("compile_backend", compile_backend)
     except PlanError as exc:
         raise CPConfigError(f"{_PREFIX}: {exc}") from exc
+    if compile_backend != EAGER and trainer_compiles:
+        raise CPConfigError(f"{_PREFIX}: args.torch_compile compiles the whole model while context_parallel compiles "
+                            f"its decoder layers ({compile_backend}); turn args.torch_compile off")
     return None if compile_backend == EAGER else compile_backend
 
 

@@ -86,7 +86,8 @@ def context_parallel(trainer: Any, plan: Any, *, fsdp: bool = False, compile_bac
     plan = load_plan(plan)
     world = dist.get_world_size() if dist.is_initialized() else 1
     refuse_unsupported_trainer(trainer, plan, world, fsdp)
-    layer_backend = layer_compile_backend(compile_backend, trainer.args.device.type)
+    layer_backend = layer_compile_backend(compile_backend, trainer.args.device.type,
+                                          bool(getattr(trainer.args, "torch_compile", False)))
     chunked = chunked_loss_wanted(trainer, loss, ContextParallelMixin)
     if chunked:
         install_chunked_loss(trainer.model, loss_chunk_tokens, layer_backend)

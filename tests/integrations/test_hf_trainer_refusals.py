@@ -65,6 +65,9 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
         cp, options = 1, {"loss": "fused"}
     elif rule == "unknown_compile_backend":
         cp, options = 1, {"compile_backend": "no_such_backend"}
+    elif rule == "torch_compile_beside_compiled_layers":
+        trainer.args.torch_compile = True  # set after init, as the deepspeed rule does: nothing compiles here
+        cp, options = 1, {"compile_backend": "inductor"}
     elif rule == "loss_chunk_tokens":
         cp, options = 1, {"loss_chunk_tokens": 0}
     plan = _plan(cp)
@@ -113,6 +116,7 @@ RULES = [
                                                              "loss='model'")),
     ("unknown_loss", "CPConfigError", ("loss='fused'", "chunked", "model")),
     ("unknown_compile_backend", "CPConfigError", ("compile_backend", "no_such_backend")),
+    ("torch_compile_beside_compiled_layers", "CPConfigError", ("args.torch_compile", "inductor", "turn")),
     ("loss_chunk_tokens", "CPConfigError", ("loss_chunk_tokens=0", "positive")),
     ("accelerate_cpu_alone", "CPConfigError", ("accelerate launch --cpu", "alone", "--mpirun_hostfile",
                                                "--multi_gpu", "torchrun")),
