@@ -27,14 +27,13 @@ import torch
 from torch import nn
 
 from ..errors import CPConfigError, PlanError
-from ..linear_cross_entropy import linear_cross_entropy_sum
+from ..linear_cross_entropy import IGNORE_INDEX
 from ..trainer.config_sections import DEFAULT_COMPILE_BACKENDS, EAGER, check_backend_name
-from ..trainer.lm_loss import base_model, check_forward_only_applies_the_head, plain_linear_head
+from ..trainer.lm_loss import check_head_takes_chunked_loss, logit_softcap, loss_sum
 
 _PREFIX = "cpcompile.integrations.transformers"
 LOSS_TARGETS = "cpcompile_loss_targets"  # the keyword the chunked forward takes the shifted targets by
 LOSSES = ("chunked", "model")
-IGNORE_INDEX = -100
 
 
 def layer_compile_backend(compile_backend: str | None, device_type: str, trainer_compiles: bool) -> str | None:
@@ -66,8 +65,7 @@ def chunked_loss_wanted(trainer: Any, loss: str | None, mixin: type) -> bool:
                                 f"{overrides.__name__} overrides it (it may read the logits); pass loss='model'")
         return False
     try:
-        head = plain_linear_head(trainer.model)
-        check_forward_only_applies_the_head(trainer.model, head, _softcap(trainer.model))
+        check_head_takes_chunked_loss(trainer.model)
     except PlanError as exc:
         if loss == "chunked":
             raise CPConfigError(f"{_PREFIX}: loss='chunked': {exc.reason} (here: pass loss='model')") from exc
@@ -90,7 +88,7 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int, compile_backend: s
     """A forward on `model` that, given `LOSS_TARGETS` (shifted, this rank's slice), returns the loss
     as the model's own would (a ModelOutput holding `loss` only); without them, the model as it was."""
     plain_forward = model.forward
-    softcap = _softcap(model)
+    softcap = logit_softcap(model)
 
     @functools.wraps(plain_forward)
     def forward(*args, **kwargs):
@@ -98,7 +96,7 @@ def install_chunked_loss(model: nn.Module, chunk_tokens: int, compile_backend: s
         if targets is None:
             return plain_forward(*args, **kwargs)
         count = kwargs.pop("num_items_in_batch", None)
-        total = _loss_sum(model, kwargs, targets, chunk_tokens, softcap, compile_backend)
+        total = loss_sum(model, kwargs, targets, chunk_tokens, softcap, compile_backend)
         count = (targets != IGNORE_INDEX).sum() if count is None else count
         return _output(loss=total / count)
 
@@ -111,23 +109,6 @@ def with_loss_targets(batch: dict) -> dict:
     batch.pop("labels", None)
     batch[LOSS_TARGETS] = batch.pop("shift_labels")
     return batch
-
-
-def _loss_sum(model: nn.Module, inputs: dict, targets: torch.Tensor, chunk_tokens: int, softcap: float | None,
-              compile_backend: str | None) -> torch.Tensor:
-    hidden = base_model(model)(**{**inputs, "use_cache": False}).last_hidden_state
-    weight = model.get_output_embeddings().weight
-    device = hidden.device.type
-    # under the Trainer's autocast (bf16=True) the head's matmul would run in bf16: so does this one,
-    # its operands cast as autocast casts them, and no autocast inside the loss's own kernels
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    with torch.autocast(device, enabled=False):
-        return linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]).to(dtype), weight.to(dtype),
-                                        targets.reshape(-1), chunk_tokens, softcap, compile_backend)
-
-
-def _softcap(model: nn.Module) -> float | None:
-    return getattr(model.config.get_text_config(), "final_logit_softcapping", None)
 
 
 def _output(loss: torch.Tensor):

@@ -53,9 +53,7 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int, compile_backend: str |
     `linear_cross_entropy_sum` takes it."""
     if uses_chunked_loss(model):
         raise RuntimeError(f"use_chunked_loss: {type(model).__name__} has the chunked loss already")
-    head = plain_linear_head(model)
-    softcap = getattr(model.config.get_text_config(), "final_logit_softcapping", None)
-    check_forward_only_applies_the_head(model, head, softcap)
+    softcap = check_head_takes_chunked_loss(model)
     plain_forward = model.forward
 
     @functools.wraps(plain_forward)
@@ -65,7 +63,7 @@ def use_chunked_loss(model: nn.Module, chunk_tokens: int, compile_backend: str |
             return plain_forward(*args, **kwargs)
         if args:
             raise TypeError("the chunked loss takes the model's inputs by keyword (input_ids=..., ...)")
-        return _loss_sum(model, kwargs, targets, chunk_tokens, softcap, compile_backend)
+        return loss_sum(model, kwargs, targets, chunk_tokens, softcap, compile_backend)
 
     model.forward = forward
     setattr(model, MARK, chunk_tokens)
@@ -89,8 +87,23 @@ def chunked_loss_inputs(inputs: dict, targets: torch.Tensor) -> dict:
     return {**inputs, TARGETS_KEYWORD: targets}
 
 
-def _loss_sum(model, inputs: dict, targets, chunk_tokens: int, softcap: float | None,
-              compile_backend: str | None) -> torch.Tensor:
+def check_head_takes_chunked_loss(model: nn.Module) -> float | None:
+    """Refuse (`PlanError`) a model whose head the chunked loss cannot stand in for; -> its logit soft-cap."""
+    softcap = logit_softcap(model)
+    check_forward_only_applies_the_head(model, plain_linear_head(model), softcap)
+    return softcap
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    return getattr(model.config.get_text_config(), "final_logit_softcapping", None)
+
+
+def loss_sum(model, inputs: dict, targets, chunk_tokens: int, softcap: float | None,
+             compile_backend: str | None) -> torch.Tensor:
+    """This rank's loss sum from the base model's last hidden state (`inputs`: the model's keywords).
+    Under autocast (a Hugging Face Trainer's `bf16=True`; the trainer itself computes in FSDP2's
+    dtype, without it) the head's operands are cast as autocast would cast them for the head's
+    matmul, and the loss's own kernels run outside it."""
     keep = inputs.pop("logits_to_keep", 0)
     if not (isinstance(keep, int) and keep == 0):
         raise PlanError("train.loss", f"chunked: the batch asks for logits_to_keep={keep!r}, but the loss needs every "
@@ -101,8 +114,13 @@ def _loss_sum(model, inputs: dict, targets, chunk_tokens: int, softcap: float | 
         raise RuntimeError("chunked loss: the head's weight is a DTensor (sharded): the loss must run inside the "
                            "model's own call, where FSDP2 gathers it (use chunked_loss_sum), and a tensor-parallel "
                            "head is not supported")
-    return linear_cross_entropy_sum(hidden.reshape(-1, hidden.shape[-1]), weight, targets.reshape(-1),
-                                    chunk_tokens, softcap, compile_backend)
+    hidden, device = hidden.reshape(-1, hidden.shape[-1]), hidden.device.type
+    if not torch.is_autocast_enabled(device):
+        return linear_cross_entropy_sum(hidden, weight, targets.reshape(-1), chunk_tokens, softcap, compile_backend)
+    dtype = torch.get_autocast_dtype(device)
+    with torch.autocast(device, enabled=False):
+        return linear_cross_entropy_sum(hidden.to(dtype), weight.to(dtype), targets.reshape(-1), chunk_tokens,
+                                        softcap, compile_backend)
 
 
 def base_model(model: nn.Module) -> nn.Module:
