@@ -106,6 +106,24 @@ def test_ops_pass_opcheck(causal):
                           (q, k, v, tags, [16, 48], causal, 0.3, "cpu_flash"))
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_one_block_takes_the_kernels_results_as_they_are(monkeypatch, causal):
+    """No CP (one chunk from key 0: one block) returns the kernel's output and gradients without the
+    merge buffers, the fp32 dq and the zeroed dk/dv they were summed into (issue 48 item 5): the
+    same numbers, bf16 with grouped heads, as the general path gives; the ops' fake layouts hold."""
+    from cpcompile.kernels.attention import unmasked
+
+    q, k, v = _inputs(2, 4, 2, 32, 32, 8, torch.bfloat16)
+    grad_out = torch.randn(q.shape, dtype=q.dtype)
+    out, grads = _grads(_attention([0], causal=causal), q, k, v, grad_out)
+    monkeypatch.setattr(unmasked, "one_block", lambda *args: None)
+    ref, ref_grads = _grads(_attention([0], causal=causal), q, k, v, grad_out)
+    assert torch.equal(out, ref) and all(torch.equal(g, r) for g, r in zip(grads, ref_grads))
+    monkeypatch.undo()
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    torch.library.opcheck(torch.ops.cpcompile.chunk_attention.default, (*leaves, [0], causal, 0.3, "cpu_flash"))
+
+
 @pytest.mark.parametrize("padded, documents", [(True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layout", [(1024, 128, [256, 640]), (1000, 500, [500]), (777, 100, [0, 400])])

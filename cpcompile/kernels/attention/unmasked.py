@@ -40,8 +40,23 @@ def merge_blocks(outs: list[Tensor], lses: list[Tensor]) -> tuple[Tensor, Tensor
     return out, lse
 
 
+def one_block(q, k, chunk_starts, causal) -> Block | None:
+    """The only block when there is one and it reads every key (one chunk from key 0 over as many
+    keys: no CP, the unsplit local case), else None. Such a block's kernel results are the op's
+    results, with nothing to merge, sum or pad."""
+    if len(chunk_starts) != 1:
+        return None
+    blocks = chunk_blocks(chunk_starts[0], chunk_length(q, chunk_starts), k.shape[2], causal)
+    whole = len(blocks) == 1 and (blocks[0].start, blocks[0].end) == (0, k.shape[2])
+    return blocks[0] if whole else None
+
+
 def forward(q, k, v, chunk_starts, causal, scale, kernel) -> tuple[Tensor, Tensor]:
     c = chunk_length(q, chunk_starts)
+    only = one_block(q, k, chunk_starts, causal)
+    if only is not None:  # the kernel's output as it is (a copy only where its layout is not the promised one)
+        out, lse = block_forward(kernel, q, k, v, only.causal, scale)
+        return out.contiguous(), lse.to(lse_dtype(q)).contiguous()
     out = q.new_empty(q.shape)
     lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q))
     for i, start in enumerate(chunk_starts):
@@ -63,6 +78,9 @@ def backward(grad_out, q, k, v, out, lse, chunk_starts, causal, scale, kernel) -
     blocks' dq in fp32; keys shared by two chunks' blocks (Head-Tail's prefixes) sum in fp32 too,
     otherwise each key's gradient is written once, in the input dtype."""
     c = chunk_length(q, chunk_starts)
+    only = one_block(q, k, chunk_starts, causal)
+    if only is not None:  # no sums: the kernel's gradients, not accumulated into zeroed fp32 buffers and cast back
+        return block_backward(kernel, grad_out, q, k, v, out, lse.contiguous(), only.causal, scale)
     plan = [(chunk_rows(i, c), chunk_blocks(start, c, k.shape[2], causal)) for i, start in enumerate(chunk_starts)]
     shared = overlapping([b for _, blocks in plan for b in blocks])
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
