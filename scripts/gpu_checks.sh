@@ -15,7 +15,7 @@
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
-#            pending_a|pending_b|pending_c|next)
+#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -169,6 +169,28 @@ if has trainer; then
     timeout "$(left 5)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
       --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 90 --total-seconds 190 \
       --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
+  fi
+  # sixth_a / sixth_b: the sixth session of 2026-12-06, two calls of ~9.5 min. a: the HF Trainer row with
+  # the integration's compiled layers and chunked loss (issue 52, both rows), then the GPU tests of what
+  # was proven on CPU only: the one-block attention path, the q/k cast in the Triton GDN core (bf16
+  # against float64 / float32). b: the eager 32K step against transformers + fla-core + cut-cross-entropy
+  # (issue 48 item 5; needs carry [".whl"]), then the masked local attention on varlen_attn (item 3)
+  if [ "$what" = sixth_a ]; then
+    end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 170)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 175)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
+    timeout "$(left 5)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_local_attention.py \
+      tests/train/test_attention_without_cp_gpu.py tests/kernels/test_gdn_triton.py tests/gdn/test_gdn_adapter.py \
+      tests/gdn/test_gdn_triton_cp.py tests/kernels/test_gdn_triton_documents.py --tb=short 2>&1 \
+      | tee "$out/sixth_tests.log" | grep -E "passed|failed|^E " | head -20
+  fi
+  if [ "$what" = sixth_b ]; then
+    end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
+    ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl
+    timeout 260 python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
+      --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 110 --total-seconds 240 \
+      --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
+    [ -n "${SIXTH_B_MORE:-}" ] && timeout "$(left 5)" bash -c "$SIXTH_B_MORE" 2>&1 | tee "$out/more.log" | tail -40
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
