@@ -7,7 +7,8 @@ forward+backward. Head layouts GQA 8/2 x 256 (Qwen3.5's) and 16/4 x 128; one ran
 causal sequence; `--cp2` adds CP=2's last AllGather rank: S/2 queries at S/2 against S keys); batches
 unpadded, 10% padding at the end, packed documents (~2K, ~8K tokens, seeded). Rows:
 - unmasked `chunk_attention` on cudnn and flash (unpadded batch only: the reference);
-- `local_attention(..., unmasked=False, masked_kernel="flex")`, what cpcompile runs today;
+- `local_attention(..., unmasked=False)` on `masked_kernel="varlen"` (flash's variable-length kernel, what
+  cpcompile runs since 2026-12-06) and on `"flex"` (FlexAttention, what it ran before);
 - FlexAttention under the same block mask (`kernels/attention/flex.py`) with other `kernel_options`
   (at the lengths `--options-at` names, 32K by default: each setting compiles anew per length);
 - `torch.nn.attention.varlen.varlen_attn` (flash) over cu_seq_q/cu_seq_k, a segment per run of equal key
@@ -132,7 +133,8 @@ def rows_of(heads_name: str, seq: int, layout: str, args):
             yield kind, "unmasked flash", unmasked("flash")
             continue
         for name, fn in masked_kernels(d, args, seq in args.options_at).items():
-            yield kind, name, fn
+            if not args.kernels or any(part in name for part in args.kernels):
+                yield kind, name, fn
         if seq <= 8192 and layout == "cp 1":
             yield kind, "sdpa + dense S x S bool mask (transformers today)", dense_mask_sdpa
 
@@ -216,6 +218,8 @@ def main(argv=None) -> int:
                         help="also check the kernel_options settings (one more compilation each)")
     parser.add_argument("--cudnn-ragged", action="store_true", help="also cuDNN's ragged path (see masked_kernels)")
     parser.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    parser.add_argument("--kernels", nargs="*", default=None,
+                        help="time only the masked kernels whose names hold one of these (e.g. local_attention)")
     parser.add_argument("--out", default=None, help="write the table as markdown")
     args = parser.parse_args(argv)
     args.seq = args.seq or ([8192, 32768] if args.quick else [8192, 32768, 131072])

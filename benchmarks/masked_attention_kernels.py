@@ -52,8 +52,11 @@ def unmasked(kernel: str):  # the reference: cpcompile's unmasked blocks
     return lambda q, k, v, tags, starts: chunk_attention(q, k, v, starts, True, q.shape[-1] ** -0.5, kernel)[0]
 
 
-def cpcompile_flex(q, k, v, tags, starts):
-    return local_attention(q, k, v, tags, starts, True, q.shape[-1] ** -0.5, "flash", "flex", None, False)
+def cpcompile_masked(masked_kernel: str):
+    """cpcompile's masked path on `masked_kernel` (`varlen`: the default on CUDA in bf16 since 2026-12-06)."""
+    def run(q, k, v, tags, starts):
+        return local_attention(q, k, v, tags, starts, True, q.shape[-1] ** -0.5, "flash", masked_kernel, None, False)
+    return run
 
 
 _FLEX = {}
@@ -170,7 +173,8 @@ def masked_kernels(head_dim: int, args, with_options: bool) -> dict:
     ragged row only on request (on torch 2.11 / H100 its gradients were wrong as called here, and one
     call took 50-150 ms at S=1024)."""
     options = list(FLEX_OPTIONS[head_dim].items())[:1 if args.quick else None] if with_options else []
-    kernels = {"local_attention masked (flex, as shipped)": cpcompile_flex}
+    kernels = {"local_attention masked (varlen, as shipped)": cpcompile_masked("varlen"),
+               "local_attention masked (flex, shipped until 2026-12-06)": cpcompile_masked("flex")}
     kernels.update({f"flex {name}": flex_with(opts) for name, opts in options})
     if _varlen_api() is not None:
         kernels["varlen_attn, exact max_q/max_k"] = varlen(True)

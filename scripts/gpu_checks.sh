@@ -172,17 +172,18 @@ if has trainer; then
   fi
   # sixth_a / sixth_b: the sixth session of 2026-12-06, two calls of ~9.5 min. a: the HF Trainer row with
   # the integration's compiled layers and chunked loss (issue 52, both rows), then the GPU tests of what
-  # was proven on CPU only: the one-block attention path, the q/k cast in the Triton GDN core (bf16
-  # against float64 / float32). b: the eager 32K step against transformers + fla-core + cut-cross-entropy
-  # (issue 48 item 5; needs carry [".whl"]), then the masked local attention on varlen_attn (item 3)
+  # was proven on CPU only: the masked attention on flash's varlen kernel, the one-block attention path,
+  # the q/k cast in the Triton GDN core (bf16 against float64 / float32). b: the eager 32K step against transformers + fla-core + cut-cross-entropy
+  # (issue 48 item 5; needs carry [".whl"]), then the masked local attention on flash's varlen kernel
+  # against FlexAttention and unmasked cuDNN (item 3), then the padded 32K step beside the unpadded one
   if [ "$what" = sixth_a ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 170)" python3 benchmarks/hf_trainer_gpu.py \
-      --max-seconds "$(left 175)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
-    timeout "$(left 5)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_local_attention.py \
-      tests/train/test_attention_without_cp_gpu.py tests/kernels/test_gdn_triton.py tests/gdn/test_gdn_adapter.py \
-      tests/gdn/test_gdn_triton_cp.py tests/kernels/test_gdn_triton_documents.py --tb=short 2>&1 \
-      | tee "$out/sixth_tests.log" | grep -E "passed|failed|^E " | head -20
+    timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
+      tests/kernels/test_local_attention.py tests/train/test_attention_without_cp_gpu.py tests/sdpa/test_sdpa_cuda_layout.py \
+      tests/kernels/test_gdn_triton.py tests/gdn/test_gdn_adapter.py tests/kernels/test_gdn_triton_documents.py \
+      --tb=short -s 2>&1 | tee "$out/sixth_tests.log" | grep -E "passed|failed|^E |^varlen" | head -30
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 5)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 10)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
   fi
   if [ "$what" = sixth_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
@@ -190,7 +191,12 @@ if has trainer; then
     timeout 260 python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
       --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 110 --total-seconds 240 \
       --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
-    [ -n "${SIXTH_B_MORE:-}" ] && timeout "$(left 5)" bash -c "$SIXTH_B_MORE" 2>&1 | tee "$out/more.log" | tail -40
+    timeout -s INT 150 python3 benchmarks/masked_attention.py --seq 32768 131072 --kernels local_attention \
+      --out "$out/masked_attention.md" > "$out/masked.log" 2>&1; grep -E "^\||^- " "$out/masked.log" | head -40
+    for pad in 0 0.1; do
+      timeout "$(left 5)" python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 4 --pad-fraction $pad \
+        2>&1 | tee "$out/padded_$pad.log" | grep -E "^\|" | tail -1
+    done
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }

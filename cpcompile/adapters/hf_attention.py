@@ -95,13 +95,13 @@ def local_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.T
     value_size = value.shape[-1]
     tags = key_tags(positions, attention_mask, query.shape[0], key.shape[2], query.device)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    kernel = select_kernel(query.device, query.dtype)
-    masked_kernel = select_kernel(query.device, query.dtype, masked=True)
-    causal = bool(getattr(module, "is_causal", True))
-    unmasked = kwargs.get(UNMASKED_KWARG) if causal else None  # the mark is a causal fact (module doc)
     # multi-head latent attention's value head size differs: zero-padded, as the CP rewrite does
     # (passes/sdpa/fragments.equal_head_sizes: exact, the padded output columns cut off)
     width = max(query.shape[-1], value.shape[-1])
+    kernel = select_kernel(query.device, query.dtype)
+    masked_kernel = select_kernel(query.device, query.dtype, masked=True, head_dim=width)
+    causal = bool(getattr(module, "is_causal", True))
+    unmasked = kwargs.get(UNMASKED_KWARG) if causal else None  # the mark is a causal fact (module doc)
     query, key, value = (F.pad(x, (0, width - x.shape[-1])) if x.shape[-1] < width else x for x in (query, key, value))
     out = local_attention(query, key, value, tags, [0], causal, float(scale), kernel, masked_kernel, None, unmasked)
     return out[..., :value_size].transpose(1, 2), None

@@ -74,40 +74,57 @@ KERNELS: dict[str, Kernel] = {
     "cudnn": Kernel("cuda", HALF, False, _cudnn_forward, _cudnn_backward),
     "cpu_flash": Kernel("cpu", HALF + (torch.float32, torch.float64), True, _cpu_forward, _cpu_backward),
 }
-MASKED_KERNELS = ("flex", "cpu_flash")  # flex, or kernels that take a tile mask (`tiled.py`)
+MASKED_KERNELS = ("varlen", "flex", "cpu_flash")  # varlen.py, flex.py, or kernels that take a tile mask (tiled.py)
 FLEX_DTYPES = HALF + (torch.float32,)
+VARLEN_MAX_HEAD_DIM = 256  # flash's largest head size
 KERNEL_ENV = "CPCOMPILE_ATTENTION_KERNEL"
 MASKED_KERNEL_ENV = "CPCOMPILE_MASKED_ATTENTION_KERNEL"
 
 
-def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = False) -> str:
-    """The kernel for unmasked blocks (`masked=False`) or for padded keys (`masked=True`).
+def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = False,
+                  head_dim: int | None = None) -> str:
+    """The kernel for unmasked blocks (`masked=False`) or for padded keys and documents (`masked=True`).
 
-    CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md); FlexAttention for
-    padded keys, and for everything in fp32 (the fused CUDA kernels with a log-sum-exp output take
-    half precision only). CPU: the fused CPU kernel for both.
+    CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md); for masked keys
+    flash's variable-length kernel in bf16/fp16 up to head size 256 (1.7-2.1x FlexAttention forward
+    and backward at head size 256 on an H100, benchmarks/results/masked_attention_*), FlexAttention
+    beyond that and for everything in fp32 (the fused CUDA kernels take half precision only). CPU:
+    the fused CPU kernel for both.
     `CPCOMPILE_ATTENTION_KERNEL` / `CPCOMPILE_MASKED_ATTENTION_KERNEL` name others (for
-    benchmarks); they must support the device and dtype or the rewrite fails.
+    benchmarks); they must support the device, dtype and head size or the rewrite fails.
     """
     if device.type == "cpu":
         default = "cpu_flash"
     elif device.type == "cuda":
         default = "cudnn" if dtype in HALF and not masked else "flex"
+        if masked and dtype in HALF and (head_dim or 0) <= VARLEN_MAX_HEAD_DIM:
+            default = "varlen"
     else:
         raise CPConfigError(f"no fused attention kernel for device type {device.type!r} (supported: cuda, cpu)")
     name = os.environ.get(MASKED_KERNEL_ENV if masked else KERNEL_ENV) or default
-    check_kernel(name, device, dtype, masked=masked)
+    check_kernel(name, device, dtype, masked=masked, head_dim=head_dim)
     return name
 
 
-def check_kernel(name: str, device: torch.device, dtype: torch.dtype, *, masked: bool = False) -> None:
+def check_kernel(name: str, device: torch.device, dtype: torch.dtype, *, masked: bool = False,
+                 head_dim: int | None = None) -> None:
     if name == "flex":  # FlexAttention serves any mask, so it may stand in for the unmasked blocks too
         if device.type != "cuda" or dtype not in FLEX_DTYPES:
             raise CPConfigError(f"attention kernel 'flex' runs on cuda in {FLEX_DTYPES}, got {device.type} {dtype}")
         return
+    if name == "varlen":
+        if not masked:
+            raise CPConfigError("attention kernel 'varlen' serves masked keys only; unmasked blocks take one of "
+                                f"{sorted(KERNELS)}")
+        if device.type != "cuda" or dtype not in HALF:
+            raise CPConfigError(f"attention kernel 'varlen' runs on cuda in {HALF}, got {device.type} {dtype}")
+        if head_dim is not None and head_dim > VARLEN_MAX_HEAD_DIM:
+            raise CPConfigError(f"attention kernel 'varlen' takes head sizes up to {VARLEN_MAX_HEAD_DIM}, got "
+                                f"{head_dim}; use 'flex'")
+        return
     kernel = KERNELS.get(name)
     if kernel is None:
-        raise CPConfigError(f"unknown attention kernel {name!r}; one of {sorted(KERNELS)}")
+        raise CPConfigError(f"unknown attention kernel {name!r}; one of {sorted(KERNELS) + ['flex', 'varlen']}")
     if kernel.device != device.type:
         raise CPConfigError(f"attention kernel {name!r} runs on {kernel.device}, the tensors are on {device.type}")
     if dtype not in kernel.dtypes:

@@ -15,9 +15,12 @@ unused) and always runs the masked path. `k, v [B, Hkv, S_kv, D]` are in global 
 
 Every rank has the key tags of every rank (a rank without padding of its own still attends to
 other ranks' padding and documents). With one unpadded document a row, `chunk_attention` runs the
-unmasked blocks on `kernel`; otherwise `masked_kernel` runs — `flex` (FlexAttention, CUDA) or the
-tiles of `tiled_attention` on a kernel that takes a mask (the CPU's). `kernel="flex"` (CUDA fp32,
-which the fused kernels with a log-sum-exp output do not take) runs FlexAttention always.
+unmasked blocks on `kernel`; otherwise `masked_kernel` runs — `varlen` (flash's variable-length
+kernel over the runs of documents and padding, CUDA half precision), `flex` (FlexAttention, CUDA)
+or the tiles of `tiled_attention` on a kernel that takes a mask (the CPU's). Queries at
+`query_positions` are not in chunks, which `varlen`'s segments need: the rewrite gives them
+FlexAttention. `kernel="flex"` (CUDA fp32, which the fused kernels with a log-sum-exp output do not take)
+runs FlexAttention always.
 
 Which of the two a call takes is `unmasked`, a fact of the batch that `shard_batch` found on the
 global batch (`documents.unmasked_keys`) and that the rewrite bakes into the region's graph, one
@@ -34,7 +37,7 @@ from torch import Tensor
 from ..precision import without_autocast
 from .flex import flex_chunk_attention
 from .layout import single_unpadded_document
-from .op import chunk_attention, tiled_attention
+from .op import chunk_attention, tiled_attention, varlen_attention
 
 
 @without_autocast  # Q/K/V come at the precision autocast gives SDPA; the kernels keep it
@@ -47,6 +50,10 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_sta
         return chunk_attention(q, k, v, chunk_starts, causal, scale, kernel)[0]
     if masked_kernel == "flex":
         return flex_chunk_attention(q, k, v, key_tags, chunk_starts, causal, scale, query_positions)
+    if masked_kernel == "varlen":
+        if query_positions is not None:
+            raise ValueError("the 'varlen' kernel takes queries in chunks, not at query_positions (use 'flex')")
+        return varlen_attention(q, k, v, key_tags, chunk_starts, causal, scale)[0]
     return tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, masked_kernel, query_positions)[0]
 
 

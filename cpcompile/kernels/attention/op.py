@@ -3,6 +3,7 @@
     chunk_attention(q, k, v, chunk_starts, causal, scale, kernel) -> (out, lse)          # unmasked.py
     tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, kernel, query_positions?) -> (out, lse)
                                                                                     # tiled.py
+    varlen_attention(q, k, v, key_tags, chunk_starts, causal, scale) -> (out, lse)   # varlen.py
 
 Gradients come back contiguous whatever layout the kernels give theirs (flash returns its
 gradients as transposed views): K and V come from an all-gather or all-to-all, whose backward
@@ -13,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import tiled, unmasked
+from . import tiled, unmasked, varlen
 from .kernels import lse_dtype
 from .layout import chunk_length
 
@@ -116,3 +117,45 @@ def _tiled_grad(ctx, grad_out, _grad_lse):
 
 
 tiled_attention.register_autograd(_tiled_grad, setup_context=_tiled_setup)
+
+
+# --------------------------------------------------------------------------- varlen_attention
+
+
+@torch.library.custom_op("cpcompile::varlen_attention", mutates_args=())
+def varlen_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool,
+                     scale: float) -> tuple[Tensor, Tensor]:
+    return varlen.forward(q, k, v, key_tags, chunk_starts, causal, scale)
+
+
+@varlen_attention.register_fake
+def _(q, k, v, key_tags, chunk_starts, causal, scale):
+    return _fake_outputs(q, chunk_starts)
+
+
+@torch.library.custom_op("cpcompile::varlen_attention_backward", mutates_args=())
+def varlen_attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                              key_tags: Tensor, chunk_starts: list[int], causal: bool,
+                              scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    grads = varlen.backward(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale)
+    return _contiguous_like(grads, (q, k, v))
+
+
+@varlen_attention_backward.register_fake
+def _(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale):
+    return _fake_grads(q, k, v)
+
+
+def _varlen_setup(ctx, inputs, output):
+    q, k, v, key_tags, *ctx.config = inputs
+    ctx.save_for_backward(q, k, v, key_tags, *output)
+    ctx.mark_non_differentiable(output[1])
+
+
+def _varlen_grad(ctx, grad_out, _grad_lse):
+    q, k, v, key_tags, out, lse = ctx.saved_tensors
+    dq, dk, dv = varlen_attention_backward(grad_out.contiguous(), q, k, v, out, lse, key_tags, *ctx.config)
+    return dq, dk, dv, None, None, None, None
+
+
+varlen_attention.register_autograd(_varlen_grad, setup_context=_varlen_setup)
