@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cpcompile.errors import CPConfigError
+from cpcompile.errors import CPConfigError, CPInputError
 from cpcompile.kernels.attention import local_attention, select_kernel, varlen
 from cpcompile.kernels.attention.kernels import check_kernel
 from cpcompile.kernels.attention.layout import query_documents, query_positions, visible
@@ -72,7 +72,7 @@ def test_segments_see_what_the_layout_says_and_tile_everything(keys, chunk, star
 
 def test_a_document_split_by_padding_is_refused():
     tags = torch.tensor([0, 0, -1, 0, 0, 1, 1])
-    with pytest.raises(ValueError, match="split by padding.*CPCOMPILE_MASKED_ATTENTION_KERNEL=flex"):
+    with pytest.raises(CPInputError, match="split by padding.*CPCOMPILE_MASKED_ATTENTION_KERNEL=flex"):
         varlen.segment_bounds(tags, 0, 7, True)
 
 

@@ -30,7 +30,7 @@ class Kernel(NamedTuple):
     backward: Callable[..., tuple[Tensor, Tensor, Tensor]]
 
 
-def _no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
+def no_dropout_rng(device: torch.device) -> tuple[Tensor, Tensor]:
     """Philox seed/offset placeholders: read by the fused backwards only when dropout_p > 0."""
     return torch.empty(2, dtype=torch.int64, device=device), torch.empty(0, dtype=torch.int64, device=device)
 
@@ -41,7 +41,7 @@ def _flash_forward(q, k, v, causal, mask, scale):
 
 
 def _flash_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
-    seed, offset = _no_dropout_rng(q.device)
+    seed, offset = no_dropout_rng(q.device)
     return aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, causal, seed, offset, scale=scale)
 
@@ -52,7 +52,7 @@ def _cudnn_forward(q, k, v, causal, mask, scale):
 
 
 def _cudnn_backward(grad_out, q, k, v, out, lse, causal, mask, scale):
-    seed, offset = _no_dropout_rng(q.device)
+    seed, offset = no_dropout_rng(q.device)
     stats = lse.unsqueeze(-1).contiguous()
     return aten._scaled_dot_product_cudnn_attention_backward(
         grad_out, q, k, v, out, stats, seed, offset, None, None, None, q.shape[2], k.shape[2], 0.0, causal,

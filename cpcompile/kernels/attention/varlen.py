@@ -30,11 +30,11 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from .kernels import lse_dtype
+from ...errors import CPInputError
+from .kernels import lse_dtype, no_dropout_rng
 from .layout import chunk_length, chunk_rows
 
 aten = torch.ops.aten
-MAX_HEAD_DIM = 256  # flash's largest head size
 
 
 class Segments(NamedTuple):
@@ -46,18 +46,17 @@ class Segments(NamedTuple):
     max_k: int
 
 
-def segment_bounds(row_tags: Tensor, start: int, length: int, causal: bool) -> tuple[Tensor, Tensor]:
-    """Query bounds (relative to `start`) and key bounds, `[2 · runs + 1]` each (int64, on the
-    host), of a chunk of `length` queries at `start` against every key of `row_tags [S_kv]`."""
-    tags = row_tags.cpu()
+def segment_bounds(tags: Tensor, start: int, length: int, causal: bool) -> tuple[Tensor, Tensor]:
+    """Query bounds (relative to `start`) and key bounds, `[2 · runs + 1]` each (int64), of a chunk
+    of `length` queries at `start` against every key of one row's tags `[S_kv]` (on the host)."""
     change = torch.nonzero(tags[1:] != tags[:-1]).flatten() + 1
     run_start = torch.cat([change.new_zeros(1), change])
     run_end = torch.cat([change, change.new_full((1,), tags.numel())])
     real = tags[run_start] >= 0
     if bool((tags[run_start][real].diff() <= 0).any()):
-        raise ValueError("a document's real tokens are split by padding (an attention mask with zeros inside one "
-                         "document): the 'varlen' attention kernel needs each document's keys in one piece; set "
-                         "CPCOMPILE_MASKED_ATTENTION_KERNEL=flex")
+        raise CPInputError("a document's real tokens are split by padding (an attention mask with zeros inside one "
+                           "document): the 'varlen' attention kernel needs each document's keys in one piece; set "
+                           "CPCOMPILE_MASKED_ATTENTION_KERNEL=flex")
     end = start + length
     q_low, q_high = run_start.clamp(start, end) - start, run_end.clamp(start, end) - start
     attends = (q_high > q_low) & real  # a document run holding some of the chunk's queries
@@ -68,9 +67,8 @@ def segment_bounds(row_tags: Tensor, start: int, length: int, causal: bool) -> t
     return torch.cat([q_low[:1], q_bounds]), torch.cat([run_start[:1], k_bounds])
 
 
-def segments(row_tags: Tensor, start: int, length: int, causal: bool) -> Segments:
-    q_bounds, k_bounds = segment_bounds(row_tags, start, length, causal)
-    device = row_tags.device
+def segments(tags: Tensor, start: int, length: int, causal: bool, device: torch.device) -> Segments:
+    q_bounds, k_bounds = segment_bounds(tags, start, length, causal)
     return Segments(q_bounds.to(device, torch.int32, non_blocking=True),
                     k_bounds.to(device, torch.int32, non_blocking=True),
                     int(q_bounds.diff().max()), int(k_bounds.diff().max()))
@@ -92,10 +90,9 @@ def flash_forward(q: Tensor, k: Tensor, v: Tensor, seg: Segments, causal: bool, 
 
 def flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, seg: Segments,
                    causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    rng = torch.zeros(2, dtype=torch.uint64, device=q.device)  # read only under dropout
-    unused = torch.empty(0, dtype=torch.uint64, device=q.device)
+    seed, offset = no_dropout_rng(q.device)
     return aten._flash_attention_backward(grad_out, q, k, v, out, lse, seg.cu_q, seg.cu_k, seg.max_q, seg.max_k,
-                                          0.0, causal, rng, unused, scale=scale)
+                                          0.0, causal, seed, offset, scale=scale)
 
 
 KERNEL = {"forward": flash_forward, "backward": flash_backward}  # the tests put the oracle's emulation here
@@ -104,9 +101,10 @@ KERNEL = {"forward": flash_forward, "backward": flash_backward}  # the tests put
 def calls(q: Tensor, key_tags: Tensor, chunk_starts: list[int], causal: bool):
     """(batch row, local query rows, segments) of every kernel call: one per row and chunk."""
     c = chunk_length(q, chunk_starts)
+    tags = key_tags.cpu()  # the call's one read-back
     for b in range(q.shape[0]):
         for i, start in enumerate(chunk_starts):
-            yield b, chunk_rows(i, c), segments(key_tags[b], start, c, causal)
+            yield b, chunk_rows(i, c), segments(tags[b], start, c, causal, q.device)
 
 
 def forward(q, k, v, key_tags, chunk_starts, causal, scale) -> tuple[Tensor, Tensor]:
@@ -125,8 +123,9 @@ def backward(grad_out, q, k, v, out, lse, key_tags, chunk_starts, causal, scale)
     one chunk's are the row's and several chunks' (Head-Tail) add up, in fp32."""
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     several = len(chunk_starts) > 1
-    dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device) if several else torch.empty_like(k)
-    dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device) if several else torch.empty_like(v)
+    make = torch.zeros if several else torch.empty  # contiguous: the op's promised layout, no copy after
+    dk = make(k.shape, dtype=torch.float32 if several else k.dtype, device=k.device)
+    dv = make(v.shape, dtype=torch.float32 if several else v.dtype, device=v.device)
     for b, rows, seg in calls(q, key_tags, chunk_starts, causal):
         dq_c, dk_c, dv_c = KERNEL["backward"](
             tokens_major(grad_out[b, :, rows]), tokens_major(q[b, :, rows]), tokens_major(k[b]), tokens_major(v[b]),
