@@ -177,13 +177,16 @@ if has trainer; then
   # (issue 48 item 5; needs carry [".whl"]), then the masked local attention on flash's varlen kernel
   # against FlexAttention and unmasked cuDNN (item 3), then the padded 32K step beside the unpadded one
   if [ "$what" = sixth_a ]; then
-    end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
-    timeout 170 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
+    end=$((SECONDS + 580)); left() { echo $((end - SECONDS - $1)); }
+    timeout 130 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
       tests/kernels/test_local_attention.py tests/train/test_attention_without_cp_gpu.py tests/sdpa/test_sdpa_cuda_layout.py \
-      tests/kernels/test_gdn_triton.py tests/gdn/test_gdn_adapter.py tests/kernels/test_gdn_triton_documents.py \
       --tb=short -s 2>&1 | tee "$out/sixth_tests.log" | grep -E "passed|failed|^E |^varlen" | head -30
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 5)" python3 benchmarks/hf_trainer_gpu.py \
-      --max-seconds "$(left 10)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 130)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 135)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep "^|"
+    timeout -s INT "$(left 60)" python3 benchmarks/masked_attention.py --seq 32768 --kernels local_attention \
+      --out "$out/masked_attention.md" > "$out/masked.log" 2>&1; grep -E "^\||^- " "$out/masked.log" | head -30
+    timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_triton.py \
+      tests/gdn/test_gdn_adapter.py --tb=short 2>&1 | tee "$out/gdn_tests.log" | grep -E "passed|failed|^E " | head
   fi
   if [ "$what" = sixth_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
