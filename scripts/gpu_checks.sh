@@ -15,7 +15,7 @@
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
-#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b)
+#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -187,6 +187,18 @@ if has trainer; then
       --out "$out/masked_attention.md" > "$out/masked.log" 2>&1; grep -E "^\||^- " "$out/masked.log" | head -30
     timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_triton.py \
       tests/gdn/test_gdn_adapter.py --tb=short 2>&1 | tee "$out/gdn_tests.log" | grep -E "passed|failed|^E " | head
+  fi
+  # sixth_c: after sixth_a's answers (the varlen test judged padding rows it should not have; GDN heads of
+  # 16/32 gave NaN; the HF row's compiled layers failed under the Trainer's checkpoint): the fixed tests,
+  # varlen in a model (head size 256), the refusal of small GDN heads, then the HF row again (~8 min)
+  if [ "$what" = sixth_c ]; then
+    end=$((SECONDS + 495)); left() { echo $((end - SECONDS - $1)); }
+    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
+      tests/train/test_attention_without_cp_gpu.py "tests/kernels/test_gdn_triton.py::test_gpu_refuses_head_dims_below_64" \
+      "tests/kernels/test_gdn_triton.py::test_gpu_fwd_bwd_head_dim_64" --tb=short -s 2>&1 \
+      | tee "$out/sixth_c_tests.log" | grep -E "passed|failed|^E |^varlen" | head -30
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 2)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 5)" --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
   fi
   if [ "$what" = sixth_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }

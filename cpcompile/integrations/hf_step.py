@@ -7,8 +7,12 @@ model's own loss (float32 logits of 32K x 248K: 67 GiB peak). So, as cpcompile's
 
 - `compile_backend` (None: the device's default, inductor on CUDA and eager elsewhere, as the
   trainer's `compile_backend: null`): every decoder layer's forward under `torch.compile`, its CP
-  regions inside (`cpcompile.compiled.compile_around_regions`), after the Trainer's gradient
-  checkpointing and before FSDP2;
+  regions inside (`cpcompile.compiled.compile_around_regions`), before FSDP2. The Trainer's
+  gradient checkpointing wraps each layer's call, outside its forward: a compiled forward there
+  saved 53 tensors in the forward and 33 in the recomputation on an H100, and the checkpoint
+  refused the step (`CheckpointError`). So compiled layers take it over (`checkpoint_inside`): the
+  layers' own flag off, the trainer's non-reentrant checkpoint around each forward, inside the
+  compiled graph, as `cpcompile train` runs them;
 - `loss` "chunked": the model's call, given the targets, returns the loss computed from the base
   model's last hidden state a chunk of tokens at a time (`linear_cross_entropy_sum`), the head's
   logits never whole. The same number as the model's own loss: the sum over valid targets divided
@@ -29,6 +33,7 @@ from torch import nn
 from ..errors import CPConfigError, PlanError
 from ..linear_cross_entropy import IGNORE_INDEX
 from ..trainer.config_sections import DEFAULT_COMPILE_BACKENDS, EAGER, check_backend_name
+from ..trainer.activation_checkpointing import EVERY_LAYER, checkpoint_layers
 from ..trainer.lm_loss import check_head_takes_chunked_loss, logit_softcap, loss_sum
 
 _PREFIX = "cpcompile.integrations.transformers"
@@ -49,6 +54,18 @@ def layer_compile_backend(compile_backend: str | None, device_type: str, trainer
         raise CPConfigError(f"{_PREFIX}: args.torch_compile compiles the whole model while context_parallel compiles "
                             f"its decoder layers ({compile_backend}); turn args.torch_compile off")
     return None if compile_backend == EAGER else compile_backend
+
+
+def checkpoint_inside(layers: nn.ModuleList) -> bool:
+    """Move the Trainer's gradient checkpointing (transformers' `GradientCheckpointingLayer`, around
+    each layer's call) inside the layers' forwards, where compiling them keeps it whole; -> whether
+    it was on. Every layer the Trainer checkpoints is checkpointed (non-reentrant) as before."""
+    if not any(getattr(layer, "gradient_checkpointing", False) for layer in layers):
+        return False
+    for layer in layers:
+        layer.gradient_checkpointing = False
+    checkpoint_layers(layers, EVERY_LAYER)
+    return True
 
 
 def chunked_loss_wanted(trainer: Any, loss: str | None, mixin: type) -> bool:

@@ -40,11 +40,12 @@ from ..errors import CPConfigError
 from ..mesh import CPMesh, build_mesh
 from ..pipeline import compile as cp_compile
 from ..plan import Plan, load_plan
-from ..trainer.parallelize import compile_layers  # the trainer's: every decoder layer's forward compiled
+from ..trainer.parallelize import compile_layers, decoder_layers  # the trainer's: every layer's forward compiled
 from .hf_data import count_targets, shard_over_dp, without_varlen_keys
 from .hf_fsdp import full_state_dict, leave_reduction_to_model, shard_compiled_model
 from .hf_refusals import packing_is_on, refuse_packing_without_positions, refuse_unsupported_trainer
-from .hf_step import chunked_loss_wanted, install_chunked_loss, layer_compile_backend, with_loss_targets
+from .hf_step import (checkpoint_inside, chunked_loss_wanted, install_chunked_loss, layer_compile_backend,
+                      with_loss_targets)
 
 __all__ = ["ContextParallelMixin", "context_parallel"]
 
@@ -199,7 +200,8 @@ class ContextParallelMixin:
         cp_compile(self.model, self._cp.mesh, self._cp.plan, example_inputs=example,
                    dump_dir=getattr(self, "_cp_dump_dir", None))
         if self._cp.layer_backend is not None:
-            compile_layers(self.model, self._cp.layer_backend)  # after gradient checkpointing, before FSDP2
+            checkpoint_inside(decoder_layers(self.model))  # the Trainer's checkpoint, inside the compiled forward
+            compile_layers(self.model, self._cp.layer_backend)  # before FSDP2
         if self._cp.fsdp:
             shard_compiled_model(self, self._cp.mesh)  # after compile, as cpcompile's trainer does
         self._cp.compiled = True

@@ -2,7 +2,8 @@
 `cpcompile/parity.py` judges CP: its error on logits, loss and every parameter gradient may be at
 most 1.5x (+ a floor) the error of transformers' own bf16 SDPA path with its dense mask. Padded and
 packed batches, at lengths that give FlexAttention full, partial and empty 128-blocks; the right-padded
-batch runs the unmasked kernel (cuDNN/flash), the others FlexAttention. The CPU proof in float64 is
+batch runs the unmasked kernel (cuDNN/flash), the others FlexAttention at head size 64 and flash's
+variable-length kernel at 256. The CPU proof in float64 is
 `test_attention_without_cp.py`."""
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ from cpcompile.trainer.parallelize import decoder_layers
 S, VOCAB = 640, 512  # 5 blocks of 128 and a ragged end
 
 
-def _model(seed: int):
+def _model(seed: int, head_dim: int):
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
     config = Qwen3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=64, attn_implementation="sdpa")
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, attn_implementation="sdpa")
     return Qwen3ForCausalLM(config).cuda()
 
 
@@ -66,9 +67,11 @@ def _run(model, inputs: dict, unmasked: bool | None, dtype: torch.dtype):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("kind", ["unpadded", "right_padded", "left_padded", "packed"])
-def test_cp1_attention_path_bf16_judged_against_float64(kind):
-    reference = _model(seed=11)
+@pytest.mark.parametrize("kind, head_dim", [("unpadded", 64), ("right_padded", 64), ("left_padded", 64),
+                                            ("packed", 64), ("left_padded", 256), ("packed", 256)])
+def test_cp1_attention_path_bf16_judged_against_float64(kind, head_dim):
+    """Head size 64: the masked batches run FlexAttention; 256 (Qwen3.5's): flash's varlen kernel."""
+    reference = _model(seed=11, head_dim=head_dim)
     routed = copy.deepcopy(reference)
     assert route_attention_without_cp(routed, decoder_layers(routed)) == 2
     inputs = _batch(kind, seed=len(kind))

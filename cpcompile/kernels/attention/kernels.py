@@ -76,7 +76,8 @@ KERNELS: dict[str, Kernel] = {
 }
 MASKED_KERNELS = ("varlen", "flex", "cpu_flash")  # varlen.py, flex.py, or kernels that take a tile mask (tiled.py)
 FLEX_DTYPES = HALF + (torch.float32,)
-VARLEN_MAX_HEAD_DIM = 256  # flash's largest head size
+VARLEN_HEAD_DIMS = (129, 256)  # by default: FlexAttention was faster at 128 (H100), flash takes at most 256
+VARLEN_MAX_HEAD_DIM = VARLEN_HEAD_DIMS[1]
 KERNEL_ENV = "CPCOMPILE_ATTENTION_KERNEL"
 MASKED_KERNEL_ENV = "CPCOMPILE_MASKED_ATTENTION_KERNEL"
 
@@ -86,10 +87,11 @@ def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = Fa
     """The kernel for unmasked blocks (`masked=False`) or for padded keys and documents (`masked=True`).
 
     CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md); for masked keys
-    flash's variable-length kernel in bf16/fp16 up to head size 256 (1.7-2.1x FlexAttention forward
-    and backward at head size 256 on an H100, benchmarks/results/masked_attention_*), FlexAttention
-    beyond that and for everything in fp32 (the fused CUDA kernels take half precision only). CPU:
-    the fused CPU kernel for both.
+    flash's variable-length kernel in bf16/fp16 at head sizes 129-256 (at 256 it ran forward and
+    backward 1.4-2.1x faster than FlexAttention on an H100, at 128 0.75-0.92x of it:
+    benchmarks/results/masked_attention_2026-12-06_NVIDIA-H100.md), FlexAttention otherwise and for
+    everything in fp32 (the fused CUDA kernels take half precision only). CPU: the fused CPU kernel
+    for both.
     `CPCOMPILE_ATTENTION_KERNEL` / `CPCOMPILE_MASKED_ATTENTION_KERNEL` name others (for
     benchmarks); they must support the device, dtype and head size or the rewrite fails.
     """
@@ -97,7 +99,8 @@ def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = Fa
         default = "cpu_flash"
     elif device.type == "cuda":
         default = "cudnn" if dtype in HALF and not masked else "flex"
-        if masked and dtype in HALF and (head_dim or 0) <= VARLEN_MAX_HEAD_DIM:
+        if masked and dtype in HALF and head_dim is not None and \
+                VARLEN_HEAD_DIMS[0] <= head_dim <= VARLEN_HEAD_DIMS[1]:
             default = "varlen"
     else:
         raise CPConfigError(f"no fused attention kernel for device type {device.type!r} (supported: cuda, cpu)")

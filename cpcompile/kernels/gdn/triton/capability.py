@@ -6,7 +6,9 @@ Supported:
   code path present, never run by this project); CPU only under ``TRITON_INTERPRET=1`` (tests);
 - dtypes: q, k, v, beta in bf16 or fp32 (one dtype for q, k, v); g any float dtype (read as fp32);
   initial state / state gradients fp32-castable;
-- head dims: K and V in {16, 32, 64, 128}; value heads a multiple of key heads;
+- head dims: K and V in {16, 32, 64, 128}, on a GPU 64 or 128 (16 and 32 gave NaN outputs and key
+  gradients on an H100, Triton 3.6, 2026-12-06; they run in the interpreter); value heads a
+  multiple of key heads;
 - chunk size 64; any length 1 <= T < 2^31 - 64 (a partial last chunk is masked): every offset that
   grows with B or T is int64, so memory is the limit;
 - batch x value heads at most 65535 (grid axis 1).
@@ -24,6 +26,7 @@ from ....errors import GDNCapabilityError
 from ..common import CHUNK_SIZE
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128)
+MIN_GPU_HEAD_DIM = 64  # 16 and 32 gave NaN on an H100 (tests/kernels/test_gdn_triton.py, small head dims)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float32)
 MIN_CUDA_CC = (8, 0)
 MIN_TRITON_ASCEND = (3, 2, 1)
@@ -114,6 +117,9 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise GDNCapabilityError("head count", f"value heads {Hv} must be a multiple of key heads {Hk}")
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
         raise GDNCapabilityError("head dim", f"K={K}, V={V}; each must be one of {SUPPORTED_HEAD_DIMS}")
+    if q.device.type != "cpu" and min(K, V) < MIN_GPU_HEAD_DIM:
+        raise GDNCapabilityError("head dim", f"K={K}, V={V}; on {q.device.type} each must be at least "
+                                 f"{MIN_GPU_HEAD_DIM} (smaller heads gave NaN on an H100)")
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise GDNCapabilityError("dtype", f"q/k/v must share one of bf16/fp32; got {q.dtype}/{k.dtype}/{v.dtype}")
     if not g.dtype.is_floating_point or beta.dtype not in SUPPORTED_DTYPES:
