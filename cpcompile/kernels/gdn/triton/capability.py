@@ -117,7 +117,7 @@ def check_inputs(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         raise GDNCapabilityError("head count", f"value heads {Hv} must be a multiple of key heads {Hk}")
     if K not in SUPPORTED_HEAD_DIMS or V not in SUPPORTED_HEAD_DIMS:
         raise GDNCapabilityError("head dim", f"K={K}, V={V}; each must be one of {SUPPORTED_HEAD_DIMS}")
-    if q.device.type != "cpu" and min(K, V) < MIN_GPU_HEAD_DIM:
+    if q.device.type == "cuda" and min(K, V) < MIN_GPU_HEAD_DIM:
         raise GDNCapabilityError("head dim", f"K={K}, V={V}; on {q.device.type} each must be at least "
                                  f"{MIN_GPU_HEAD_DIM} (smaller heads gave NaN on an H100)")
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
