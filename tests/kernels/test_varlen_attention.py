@@ -166,7 +166,7 @@ def test_kernel_choice():
 
 def test_queries_at_positions_are_refused():
     q = torch.zeros(1, 2, 8, 4)
-    with pytest.raises(ValueError, match="not at query_positions"):
+    with pytest.raises(CPConfigError, match="not at query_positions"):
         local_attention(q, q, q, torch.zeros(1, 8, dtype=torch.long), [0], True, 0.5, "cpu_flash", "varlen",
                         torch.arange(8)[None])
 

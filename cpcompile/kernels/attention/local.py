@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ...errors import CPConfigError
 from ..precision import without_autocast
 from .flex import flex_chunk_attention
 from .layout import single_unpadded_document
@@ -52,7 +53,7 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, key_tags: Tensor, chunk_sta
         return flex_chunk_attention(q, k, v, key_tags, chunk_starts, causal, scale, query_positions)
     if masked_kernel == "varlen":
         if query_positions is not None:
-            raise ValueError("the 'varlen' kernel takes queries in chunks, not at query_positions (use 'flex')")
+            raise CPConfigError("attention kernel 'varlen' takes queries in chunks, not at query_positions; use 'flex'")
         return varlen_attention(q, k, v, key_tags, chunk_starts, causal, scale)[0]
     return tiled_attention(q, k, v, key_tags, chunk_starts, causal, scale, masked_kernel, query_positions)[0]
 
