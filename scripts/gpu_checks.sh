@@ -194,8 +194,8 @@ if has trainer; then
   if [ "$what" = sixth_c ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-495})); left() { echo $((end - SECONDS - $1)); }
     timeout "${TEST_SECONDS:-90}" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
-      tests/train/test_attention_without_cp_gpu.py "tests/kernels/test_gdn_triton.py::test_gpu_refuses_head_dims_below_64" \
-      "tests/kernels/test_gdn_triton.py::test_gpu_fwd_bwd_head_dim_64" --tb=short -s 2>&1 \
+      tests/train/test_attention_without_cp_gpu.py "tests/kernels/test_gdn_triton.py::test_gpu_fwd_bwd_head_dim_64_and_fp32" \
+      --tb=short -s 2>&1 \
       | tee "$out/sixth_c_tests.log" | grep -E "passed|failed|^E |^varlen" | head -30
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 2)" python3 benchmarks/hf_trainer_gpu.py \
       --max-seconds "$(left 5)" --rows "${HF_ROWS:-hf_trainer,cpcompile_trainer}" --out "$out/hf_trainer_gpu.md" \

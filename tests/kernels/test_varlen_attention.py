@@ -162,6 +162,10 @@ def test_kernel_choice():
         check_kernel("varlen", cuda, torch.bfloat16, masked=True, head_dim=320)
     with pytest.raises(CPConfigError, match="masked keys only"):
         check_kernel("varlen", cuda, torch.bfloat16)
+    # per-document Head-Tail's queries at given positions: FlexAttention, and varlen named for them refused
+    assert select_kernel(cuda, torch.bfloat16, masked=True, head_dim=256, chunked_queries=False) == "flex"
+    with pytest.raises(CPConfigError, match="not at query_positions"):
+        check_kernel("varlen", cuda, torch.bfloat16, masked=True, chunked_queries=False)
 
 
 def test_queries_at_positions_are_refused():

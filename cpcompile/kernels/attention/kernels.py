@@ -77,21 +77,21 @@ KERNELS: dict[str, Kernel] = {
 MASKED_KERNELS = ("varlen", "flex", "cpu_flash")  # varlen.py, flex.py, or kernels that take a tile mask (tiled.py)
 FLEX_DTYPES = HALF + (torch.float32,)
 VARLEN_HEAD_DIMS = (129, 256)  # by default: FlexAttention was faster at 128 (H100), flash takes at most 256
-VARLEN_MAX_HEAD_DIM = VARLEN_HEAD_DIMS[1]
 KERNEL_ENV = "CPCOMPILE_ATTENTION_KERNEL"
 MASKED_KERNEL_ENV = "CPCOMPILE_MASKED_ATTENTION_KERNEL"
 
 
 def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = False,
-                  head_dim: int | None = None) -> str:
+                  head_dim: int | None = None, chunked_queries: bool = True) -> str:
     """The kernel for unmasked blocks (`masked=False`) or for padded keys and documents (`masked=True`).
 
     CUDA: cuDNN for bf16/fp16 blocks (1.5-1.7x flash on an H200, docs/design.md); for masked keys
     flash's variable-length kernel in bf16/fp16 at head sizes 129-256 (at 256 it ran forward and
     backward 1.4-2.1x faster than FlexAttention on an H100, at 128 0.75-0.92x of it:
     benchmarks/results/masked_attention_2026-12-06_NVIDIA-H100.md), FlexAttention otherwise and for
-    everything in fp32 (the fused CUDA kernels take half precision only). CPU: the fused CPU kernel
-    for both.
+    everything in fp32 (the fused CUDA kernels take half precision only), and for queries at given
+    positions (`chunked_queries=False`: per-document Head-Tail), which varlen's segments cannot cut.
+    CPU: the fused CPU kernel for both.
     `CPCOMPILE_ATTENTION_KERNEL` / `CPCOMPILE_MASKED_ATTENTION_KERNEL` name others (for
     benchmarks); they must support the device, dtype and head size or the rewrite fails.
     """
@@ -99,18 +99,18 @@ def select_kernel(device: torch.device, dtype: torch.dtype, *, masked: bool = Fa
         default = "cpu_flash"
     elif device.type == "cuda":
         default = "cudnn" if dtype in HALF and not masked else "flex"
-        if masked and dtype in HALF and head_dim is not None and \
+        if masked and dtype in HALF and chunked_queries and head_dim is not None and \
                 VARLEN_HEAD_DIMS[0] <= head_dim <= VARLEN_HEAD_DIMS[1]:
             default = "varlen"
     else:
         raise CPConfigError(f"no fused attention kernel for device type {device.type!r} (supported: cuda, cpu)")
     name = os.environ.get(MASKED_KERNEL_ENV if masked else KERNEL_ENV) or default
-    check_kernel(name, device, dtype, masked=masked, head_dim=head_dim)
+    check_kernel(name, device, dtype, masked=masked, head_dim=head_dim, chunked_queries=chunked_queries)
     return name
 
 
 def check_kernel(name: str, device: torch.device, dtype: torch.dtype, *, masked: bool = False,
-                 head_dim: int | None = None) -> None:
+                 head_dim: int | None = None, chunked_queries: bool = True) -> None:
     if name == "flex":  # FlexAttention serves any mask, so it may stand in for the unmasked blocks too
         if device.type != "cuda" or dtype not in FLEX_DTYPES:
             raise CPConfigError(f"attention kernel 'flex' runs on cuda in {FLEX_DTYPES}, got {device.type} {dtype}")
@@ -121,9 +121,11 @@ def check_kernel(name: str, device: torch.device, dtype: torch.dtype, *, masked:
                                 f"{sorted(KERNELS)}")
         if device.type != "cuda" or dtype not in HALF:
             raise CPConfigError(f"attention kernel 'varlen' runs on cuda in {HALF}, got {device.type} {dtype}")
-        if head_dim is not None and head_dim > VARLEN_MAX_HEAD_DIM:
-            raise CPConfigError(f"attention kernel 'varlen' takes head sizes up to {VARLEN_MAX_HEAD_DIM}, got "
+        if head_dim is not None and head_dim > VARLEN_HEAD_DIMS[1]:
+            raise CPConfigError(f"attention kernel 'varlen' takes head sizes up to {VARLEN_HEAD_DIMS[1]}, got "
                                 f"{head_dim}; use 'flex'")
+        if not chunked_queries:
+            raise CPConfigError("attention kernel 'varlen' takes queries in chunks, not at query_positions; use 'flex'")
         return
     kernel = KERNELS.get(name)
     if kernel is None:

@@ -18,7 +18,7 @@ other ranks' padding and documents). With one unpadded document a row, `chunk_at
 unmasked blocks on `kernel`; otherwise `masked_kernel` runs — `varlen` (flash's variable-length
 kernel over the runs of documents and padding, CUDA half precision), `flex` (FlexAttention, CUDA)
 or the tiles of `tiled_attention` on a kernel that takes a mask (the CPU's). Queries at
-`query_positions` are not in chunks, which `varlen`'s segments need: the rewrite gives them
+`query_positions` are not in chunks, which `varlen`'s segments need: `select_kernel` gives them
 FlexAttention. `kernel="flex"` (CUDA fp32, which the fused kernels with a log-sum-exp output do not take)
 runs FlexAttention always.
 

@@ -188,9 +188,8 @@ def emit_local_attention(emit: Emitter, ctx: PassContext, match: SdpaMatch, quer
     q = val(query)
     kernel = select_kernel(q.device, q.dtype)
     head_dim = max(q.shape[-1], val(value).shape[-1])  # what equal_head_sizes gives the kernels
-    masked_kernel = select_kernel(q.device, q.dtype, masked=True, head_dim=head_dim)
-    if query_positions is not None and masked_kernel == "varlen":  # its segments need queries in chunks
-        masked_kernel = "flex"
+    masked_kernel = select_kernel(q.device, q.dtype, masked=True, head_dim=head_dim,
+                                  chunked_queries=query_positions is None)
     scale = match.scale if match.scale is not None else q.shape[-1] ** -0.5
     runs = {True: f"{kernel} (the batch is unmasked)", False: f"{masked_kernel} (the batch masks keys)"}
     note_once(ctx, f"local attention: {kernel} blocks (one unpadded document), {masked_kernel} with padded keys "
