@@ -15,7 +15,7 @@
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
-#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c)
+#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c|seventh_a)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -213,6 +213,21 @@ if has trainer; then
       timeout "$(left 5)" python3 benchmarks/trainer_gpu.py --seq-len 32768 --steps 4 --pad-fraction $pad \
         2>&1 | tee "$out/padded_$pad.log" | grep -E "^\|" | tail -1
     done
+  fi
+  # seventh_a (2026-12-07, ~9.5 min; carry [".whl"] with cut-cross-entropy's wheel): the varlen GPU test
+  # judged on keys no real query reads (sixth_c's run counted one-token documents' keys among them), the
+  # eager 32K step against transformers + fla-core + cut-cross-entropy (issue 48 item 5), then the packed
+  # chat fine-tune, whose documents now run on varlen at head size 256
+  if [ "$what" = seventh_a ]; then
+    end=$((SECONDS + 585)); left() { echo $((end - SECONDS - $1)); }
+    ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl
+    timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py --tb=short -s \
+      2>&1 | tee "$out/seventh_a_tests.log" | grep -E "passed|failed|^E |^varlen" | head -20
+    timeout 250 python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
+      --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 110 --total-seconds 235 \
+      --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
+    timeout "$(left 5)" python3 benchmarks/finetune_gpu.py --steps 6 --out "$out/finetune_gpu.md" \
+      2>&1 | tee "$out/finetune.log" | grep -E "^\||^step|Error" | tail -12
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }

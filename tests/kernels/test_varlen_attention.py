@@ -212,7 +212,9 @@ def test_gpu_varlen_bf16(heads, head_dim, keys, chunk, starts):
     print(f"varlen heads {heads} d {head_dim} starts {starts}: out/dq/dk/dv {['%.1e' % e for e in errors]}, "
           f"bound {bound:.1e}")
     assert errors[0] < bound + 1e-3 and max(errors) < 3e-2, errors
-    unread = ref_grads[1].double().abs().sum((1, 3)) == 0  # [B, S_kv]: keys no real query reads
+    # [B, S_kv]: keys no real query reads. Judged by dv: a key whose only reader sees that key alone
+    # (a one-token document) has a dk of exactly 0 in float64 but a bf16 rounding residue here
+    unread = ref_grads[2].double().abs().sum((1, 3)) == 0
     assert unread.any() and not real.all()
     assert out.transpose(1, 2)[~real].abs().max() == 0 and grads[0].transpose(1, 2)[~real].abs().max() == 0
     for g in grads[1:]:
