@@ -118,7 +118,7 @@ def run_case(name: str, packed: bool, seed: int, cp: int | None, out_dir: str, g
             "grad_norm": [h["grad_norm"] for h in history if "grad_norm" in h],
             "eval_loss": trainer.evaluate()["eval_loss"],
             "tokens": trainer.state.num_input_tokens_seen,
-            "saved": saved_matches(trainer, name, out_dir), "shards": _shards(trainer.model),
+            "saved": saved_matches(trainer, name, out_dir, checkpoint_step=STEPS), "shards": _shards(trainer.model),
             "head_calls": len(head_calls),
             "seconds": time.perf_counter() - start}
 
@@ -131,10 +131,10 @@ def _shards(model) -> int:
     return weight.device_mesh.size() if isinstance(weight, DTensor) else 1
 
 
-def saved_matches(trainer, name: str, out_dir: str) -> float | None:
-    """Save a normal checkpoint and load it back with `from_pretrained`, with the one the Trainer
-    wrote at the last step: the largest difference to the trained parameters (None on ranks that do
-    not save)."""
+def saved_matches(trainer, name: str, out_dir: str, checkpoint_step: int | None = None) -> float | None:
+    """Save a normal checkpoint and load it back with `from_pretrained`, and the one the Trainer
+    wrote at `checkpoint_step` (the last step) if given: the largest difference to the trained
+    parameters (None on ranks that do not save)."""
     from cpcompile.integrations.hf_fsdp import full_state_dict, is_sharded
 
     folder = os.path.join(out_dir, "final")
@@ -146,7 +146,8 @@ def saved_matches(trainer, name: str, out_dir: str) -> float | None:
     # FSDP2 gave the model a class FSDP<its class> (FSDPModule first): load with the model's own
     model_class = type(trainer.model).__bases__[-1] if sharded else type(trainer.model)
     worst = 0.0
-    for saved in (folder, os.path.join(out_dir, f"checkpoint-{STEPS}")):
+    during = [] if checkpoint_step is None else [os.path.join(out_dir, f"checkpoint-{checkpoint_step}")]
+    for saved in [folder, *during]:
         got = model_class.from_pretrained(saved, torch_dtype=next(iter(want.values())).dtype).state_dict()
         assert set(got) == set(want), (saved, sorted(set(got) ^ set(want)))
         worst = max([worst] + [(got[k].double() - want[k].double()).abs().max().item() for k in want])
