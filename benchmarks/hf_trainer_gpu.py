@@ -12,7 +12,8 @@ the other still runs), each playing rank 0 of CP=2 (`dist.init_process_group("fa
 world_size=2)`: every collective returns at once; memory and compute are the rank's, communication
 costs nothing, the loss is meaningless):
 
-- `hf_trainer`: the path of examples/hf_trainer_sft.py: `transformers.Trainer` on the model, then
+- `hf_trainer`: a stock `transformers.Trainer` (the class examples/hf_trainer_sft.py's TRL `SFTTrainer`
+  subclasses; TRL is not installed on the lent GPU machines) on the model, then
   `context_parallel(trainer, plan)`, then `trainer.train()`. accelerate sees a 2-process job (RANK,
   WORLD_SIZE, LOCAL_RANK as torchrun sets them, the fake group already initialised, so it creates
   none), so the Trainer wraps the model in DDP over the 2 fake ranks and shards the loader as under
