@@ -111,9 +111,10 @@ def packing_is_on(trainer: Any) -> bool:
                 or getattr(trainer, "padding_free", False))
 
 
-def refuse_packing_without_positions(batch: Any) -> None:
+def refuse_packing_without_positions(batch: Any, collator: str) -> None:
+    """`collator`: the name of the Trainer's data collator, the cause to name."""
     if batch.get("position_ids") is None and batch.get("cu_seq_lens") is None:
         raise CPInputError(
-            f"{_PREFIX}: packing is on (args.packing / args.padding_free) but the batch has no position_ids "
-            f"(keys: {sorted(batch)}); CP reads the packed documents from position ids restarting at 0: "
+            f"{_PREFIX}: packing is on (args.packing / args.padding_free) but the batch from the data collator "
+            f"{collator} has no position_ids (keys: {sorted(batch)}); CP reads the packed documents from position ids restarting at 0: "
             "use a collator that returns them (DataCollatorWithFlattening, TRL's padding-free collator)")

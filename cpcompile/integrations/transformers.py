@@ -186,7 +186,7 @@ class ContextParallelMixin:
         setup = self._cp
         batch = without_varlen_keys(dict(inputs))  # TRL's padding-free batches: position ids and flash varlen keys
         if setup.packing:
-            refuse_packing_without_positions(batch)
+            refuse_packing_without_positions(batch, type(self.data_collator).__name__)
         if num_items_in_batch is not None:
             batch["num_items_in_batch"] = num_items_in_batch  # the Trainer's count passes through
         # right padding to the layout's multiple: ids masked out of the loss (label -100) and,

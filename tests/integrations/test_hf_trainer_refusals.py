@@ -74,10 +74,11 @@ def _refusal(rank: int, world: int, rule: str) -> tuple[str, str]:
     plan["accelerator"].update(plan_changes)
     try:
         trainer = context_parallel(trainer, plan=plan, fsdp=fsdp, **options)
-        if rule == "packing_without_positions":
-            import torch
+        if rule == "packing_without_positions":  # a stock collator told to leave the positions out
+            from transformers import DataCollatorWithFlattening
 
-            batch = {"input_ids": torch.randint(1, 96, (1, 16)), "labels": torch.randint(1, 96, (1, 16))}
+            trainer.data_collator = DataCollatorWithFlattening(return_position_ids=False)
+            batch = trainer.data_collator([{"input_ids": list(range(1, 9))}, {"input_ids": list(range(1, 7))}])
             trainer.compute_loss(trainer.model, batch)
     except Exception as exc:  # noqa: BLE001 - the test judges it
         return type(exc).__name__, str(exc)
@@ -110,7 +111,7 @@ RULES = [
     ("dp_shard_without_fsdp", "CPConfigError", ("dp_shard_size=2", "fsdp=True")),
     ("fsdp_optimizer_checkpoints", "CPConfigError", ("fsdp=True", "optimizer state", "save_only_model")),
     ("fsdp_on_an_older_trainer", "CPConfigError", ("fsdp=True", "is_distributed_loading_by_transformers")),
-    ("packing_without_positions", "CPInputError", ("packing", "position_ids")),
+    ("packing_without_positions", "CPInputError", ("packing", "position_ids", "DataCollatorWithFlattening")),
     ("world_not_divisible", "CPConfigError", ("world size 1", "not divisible", "cp_size=2")),
     ("chunked_loss_with_own_compute_loss", "CPConfigError", ("loss='chunked'", "OwnLossTrainer", "compute_loss",
                                                              "loss='model'")),
