@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..methods.method import CONTIGUOUS, HEAD_TAIL
-from ..trainer.balance import ATTENTION_FLOPS_PER_PAIR, ATTENTION_TIME_WEIGHT
+from ..trainer.balance import ATTENTION_FLOPS_PER_PAIR, ATTENTION_TIME_WEIGHT, query_key_pairs
 from .sites import GDN, SDPA, CoreSite
 
 WORTH_BALANCING = 1.05  # busiest / least busy rank's expected step above which Head-Tail is chosen
@@ -144,15 +144,9 @@ def _rank_work(sites: list[CoreSite], ulysses: set, cp: int, local: float, param
         for site in sites:
             if site.kind != SDPA:
                 continue
-            pairs = _pairs(site, cp, rank, site.fqn in ulysses or balanced)
+            pairs = query_key_pairs(cp, rank, site.fqn in ulysses or balanced, site.causal)
             total += ATTENTION_FLOPS_PER_PAIR * site.q_heads * site.head_dim * pairs * local * local * \
                 ATTENTION_TIME_WEIGHT
         work.append(total)
     return work
 
-
-def _pairs(site: CoreSite, cp: int, rank: int, balanced: bool) -> float:
-    """Query-key pairs of `rank` in units of L^2 (trainer/balance.py)."""
-    if not site.causal:
-        return cp
-    return cp / 2 if balanced or cp == 1 else rank + 0.5

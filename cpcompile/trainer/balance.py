@@ -42,15 +42,17 @@ def rank_work(config: TrainConfig, params: int, model_config, attention_weight: 
     attention_layers = sum(1 for kind in layer_kinds(text) if kind == "full_attention")
     query_width = _attention_widths(text)[0] if attention_layers else 0
     per_pair = ATTENTION_FLOPS_PER_PAIR * query_width * attention_layers * attention_weight
-    return [6 * params * local + per_pair * _pairs(sdpa_method(config), cp, rank) * local * local
+    balanced = sdpa_method(config) != "all_gather"
+    return [6 * params * local + per_pair * query_key_pairs(cp, rank, balanced) * local * local
             for rank in range(cp)]
 
 
-def _pairs(sdpa: str, cp: int, rank: int) -> float:
-    """Query-key pairs of `rank`, in units of L^2 (module doc)."""
-    if sdpa == "all_gather" and cp > 1:
-        return rank + 0.5
-    return cp / 2
+def query_key_pairs(cp: int, rank: int, balanced: bool, causal: bool = True) -> float:
+    """Query-key pairs `rank` scores per attention layer, in units of L^2 (module doc): contiguous
+    causal shards r + 1/2, balanced layouts (Head-Tail, Ulysses) cp / 2, non-causal attention cp."""
+    if not causal:
+        return cp
+    return cp / 2 if balanced else rank + 0.5
 
 
 class Imbalance(NamedTuple):
