@@ -1,6 +1,7 @@
 """Issue 52 item 1: the suggested plan's choices are the documented ones (cpcompile/suggest/choose.py)
 for a table of (heads, cp, length) cases; cores are found by running the model; what no method runs
-is named; bad arguments are refused. One process, no collectives."""
+is named; bad arguments are refused; the byte formulas are what a rank sends (one process under the
+fake process group)."""
 from __future__ import annotations
 
 import pytest
@@ -79,6 +80,55 @@ def test_the_byte_formulas():
     site = attention(8, 2)[0]
     assert gather_elements(site, 4, 100) == 4 * 3 * 2 * 100 * 256
     assert ulysses_elements(site, 4, 100) == 2 * 3 / 4 * (16 + 8) * 100 * 256
+
+
+LOCAL = 16  # tokens a rank in the byte counts
+
+
+def _counted_bytes(_process: int, _processes: int) -> dict:
+    """Bytes rank 1 sends in one forward and backward of a 2-layer Qwen3 (4 query / 2 KV heads) under
+    AllGather and Ulysses, at cp 2 and 4 (the fake process group: shapes as on real ranks)."""
+    import sys
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from cp_harness import VOCAB, random_batch, sdpa_plan
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from collective_bytes import CollectiveBytes
+
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=8, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, attn_implementation="sdpa")
+    out = {}
+    for cp in (2, 4):
+        dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=cp)
+        for method, wrapper in (("all_gather", "sdpa_hf"), ("ulysses", "sdpa_hf_ulysses")):
+            plan = cpcompile.load_plan(sdpa_plan(cp, wrapper=wrapper))
+            mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")
+            batch = cpcompile.shard_batch(random_batch(0, 1, LOCAL * cp, padded=False), mesh, plan)
+            torch.manual_seed(0)
+            model = cpcompile.compile(Qwen3ForCausalLM(config), mesh, plan, example_inputs=batch)
+            with CollectiveBytes() as sent:
+                model(**batch).loss.backward()
+            out[method, cp] = (sent.total, find_core_sites(Qwen3ForCausalLM(config))[0])
+        dist.destroy_process_group()
+    return out
+
+
+def test_the_byte_formulas_are_what_the_ranks_send():
+    """Rule 2's counts against the bytes a rank's collectives send (benchmarks/collective_bytes.py),
+    float32, per layer: the formula's K/V (AllGather) or Q/K/V/out (Ulysses) elements, plus the
+    gather of the local position ids (int64), which the formulas leave out as a token's 8 bytes."""
+    from dist_utils import run_distributed
+
+    (counted,) = run_distributed(_counted_bytes, 1, init_pg=False, timeout=300)
+    formulas = {"all_gather": gather_elements, "ulysses": ulysses_elements}
+    for (method, cp), (sent, site) in counted.items():
+        positions = (cp - 1) * LOCAL * 8
+        assert sent == 2 * (4 * formulas[method](site, cp, LOCAL) + positions), (method, cp, sent)
 
 
 def test_cores_are_found_by_running_the_model_even_on_the_meta_device():
