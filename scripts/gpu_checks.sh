@@ -221,8 +221,9 @@ if has trainer; then
   if [ "$what" = seventh_a ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
     ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl
-    timeout 240 python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
-      --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 105 --total-seconds 225 \
+    timeout "$(($(left 2) < 240 ? $(left 2) : 240))" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
+      --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 3 --repeat 3 --max-seconds 105 \
+      --total-seconds "$(($(left 15) < 225 ? $(left 15) : 225))" \
       --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\||^[0-9]+K"
     timeout "$(($(left 5) < 75 ? $(left 5) : 75))" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/seventh_a_tests.log" \
