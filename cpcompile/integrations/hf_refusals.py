@@ -116,5 +116,6 @@ def refuse_packing_without_positions(batch: Any, collator: str) -> None:
     if batch.get("position_ids") is None and batch.get("cu_seq_lens") is None:
         raise CPInputError(
             f"{_PREFIX}: packing is on (args.packing / args.padding_free) but the batch from the data collator "
-            f"{collator} has no position_ids (keys: {sorted(batch)}); CP reads the packed documents from position ids restarting at 0: "
-            "use a collator that returns them (DataCollatorWithFlattening, TRL's padding-free collator)")
+            f"{collator} has no position_ids (keys: {sorted(batch)}); CP reads the packed documents from position "
+            "ids restarting at 0: use a collator that returns them (DataCollatorWithFlattening, TRL's padding-free "
+            "collator)")
