@@ -16,6 +16,18 @@ import cpcompile
 VOCAB = 96
 
 
+def scalar_inductor_kernels() -> None:
+    """Inductor's CPU kernels without SIMD, in this process (a rank: it ends with the test). On a
+    cold cache g++ builds them in about 60% of the time (the async AllGather region's ~30 kernels:
+    18 s instead of 29 s on the 2-core CI box), and the vector ISA probe that compiles a program
+    per ISA is skipped. What the tests look at does not depend on how Inductor vectorises its own
+    loops: the wrapper code's order of collectives, waits and matmuls (Inductor's scheduler, not
+    its C++ codegen), and CP's numbers against CP=1 within fp32 reduction-order tolerance."""
+    import torch._inductor.config as inductor_config
+
+    inductor_config.cpp.vec_isa_ok = False
+
+
 def tiny_qwen3(seed: int, layers: int = 2, dtype=torch.float32, **extra_config):
     """A tiny Qwen3; `extra_config` sets more Qwen3Config fields (e.g. a sliding window)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM

@@ -23,7 +23,8 @@ import pytest
 import torch
 
 from cp_harness import (
-    ASYNC_METHODS, QKVHolder, method_wrapper, random_batch, scheduled_backward_backend, sdpa_plan, tiny_qwen3,
+    ASYNC_METHODS, QKVHolder, method_wrapper, random_batch, scalar_inductor_kernels, scheduled_backward_backend,
+    sdpa_plan, tiny_qwen3,
 )
 from dist_utils import run_distributed
 
@@ -333,6 +334,7 @@ def _inductor_code(rank: int, world: int) -> tuple[str, str]:
 
     import cpcompile
 
+    scalar_inductor_kernels()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     plan = cpcompile.load_plan(sdpa_plan(2, method_wrapper("all_gather", asynchronous=True)))
     mesh = cpcompile.build_mesh(plan.accelerator, device_type="cpu")

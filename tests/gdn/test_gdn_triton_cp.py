@@ -430,12 +430,19 @@ class LoopbackRing:
         return self.Done()
 
 
-def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int, ring=None) -> dict:
+# Qwen3.5's GDN head size (K = V = 128: several value-column blocks in every state kernel, STATE_BV)
+# with 2 value heads per key head; the GPU runs take its 2 key heads, the interpreter one (each
+# head is a program of its own: a second one is the same path at twice the interpreter's time).
+GPU_LOOPBACK_HEADS, CPU_LOOPBACK_HEADS = (2, 4), (1, 2)
+
+
+def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int, ring=None,
+                        heads: tuple[int, int] = GPU_LOOPBACK_HEADS) -> dict:
     """The executor over `world` segments of one sequence vs the triton core on the whole of it
-    (``ring``: a ``LoopbackRing`` of ``world`` ranks, default a new one)."""
+    (``ring``: a ``LoopbackRing`` of ``world`` ranks, default a new one; ``heads``: key, value heads)."""
     from cpcompile.kernels.gdn.triton.p2p_executor import p2p_backward, p2p_forward
 
-    q, k, v, _, _, _ = _op_inputs(1, T, 2, 4, 128, 128, dtype, device, seed)
+    q, k, v, _, _, _ = _op_inputs(1, T, *heads, 128, 128, dtype, device, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     g = (-0.05 * torch.rand(v.shape[:3], generator=gen)).to(device)
     beta = (0.2 * torch.rand(v.shape[:3], generator=gen)).to(device, dtype)
@@ -462,7 +469,7 @@ def loopback_p2p_errors(T: int, world: int, dtype, device: str, seed: int, ring=
 
 @cpu_only
 def test_p2p_executor_loopback_in_interpreter():
-    errors = loopback_p2p_errors(3 * 70, 3, torch.float32, "cpu", seed=5)
+    errors = loopback_p2p_errors(3 * 70, 3, torch.float32, "cpu", seed=5, heads=CPU_LOOPBACK_HEADS)
     assert max(errors.values()) <= 1e-4, errors
 
 
@@ -499,7 +506,8 @@ def test_p2p_backward_rank0_fills_its_wait_and_the_others_send_first(monkeypatch
             log.append((_name, ring.rank))
             return _real(*args, **kwargs)
         monkeypatch.setattr(launch, name, logged)
-    errors = loopback_p2p_errors(3 * 40, 3, torch.float32, "cpu", seed=8, ring=ring)  # the order, not the chunking
+    errors = loopback_p2p_errors(3 * 40, 3, torch.float32, "cpu", seed=8, ring=ring,  # the order, not the chunking
+                                 heads=CPU_LOOPBACK_HEADS)
     assert max(errors.values()) <= 1e-4, errors
     assert log == [("p2p_bwd_summary", 2), ("p2p_bwd_summary", 1), ("wait", 1), ("p2p_bwd_states", 0), ("wait", 0)]
 

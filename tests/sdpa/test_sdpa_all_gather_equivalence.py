@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from cp_harness import (
-    assert_equivalent, compare_cp_run, random_batch, rel, sdpa_plan, tiny_llama, tiny_qwen3,
+    assert_equivalent, compare_cp_run, random_batch, rel, scalar_inductor_kernels, sdpa_plan, tiny_llama, tiny_qwen3,
 )
 from dist_utils import run_distributed
 
@@ -75,6 +75,7 @@ def test_all_gather_matches_single_device(world, scenario):
 
 
 def _inductor(rank: int, world: int, seed: int) -> dict:
+    scalar_inductor_kernels()
     return compare_cp_run(
         lambda: tiny_qwen3(seed), random_batch(seed, 2, 4 * world, padded=True), sdpa_plan(world),
         compile_backend="inductor",
