@@ -4,11 +4,11 @@
     python benchmarks/hf_trainer_gpu.py                     # 32K tokens a rank (64K a step), H100/H200
     options: --seq-len 32768 --warmup 2 --steps 3 --max-seconds 240 --trainer-loss chunked|full
              --hf-loss chunked|model --compile-backend inductor|eager --gdn-backend triton|eager
-             --rows hf_trainer,cpcompile_trainer --out FILE   (exit status 1 when a row failed)
+             --rows hf_trainer,sft_trainer,cpcompile_trainer --out FILE   (exit status 1 when a row failed)
     python benchmarks/hf_trainer_gpu.py --small --device cpu --seq-len 64 --warmup 1 --steps 1   # smoke
 
-Two rows, each in its own subprocess (one that fails or runs out of memory is a row saying so, and
-the other still runs), each playing rank 0 of CP=2 (`dist.init_process_group("fake", rank=0,
+Three rows (by default the first and the last), each in its own subprocess (one that fails or runs
+out of memory is a row saying so, and the others still run), each playing rank 0 of CP=2 (`dist.init_process_group("fake", rank=0,
 world_size=2)`: every collective returns at once; memory and compute are the rank's, communication
 costs nothing, the loss is meaningless):
 
@@ -26,16 +26,19 @@ costs nothing, the loss is meaningless):
   the whole logits upcast to float32), AdamW (lr 3e-4, weight decay 0.01), clipping at 1.0, batch 1,
   logging off. A step is timed from one
   `on_step_end` to the next (the data, the step and the optimizer; a callback synchronises the device).
+- `sft_trainer` (needs trl and datasets): examples/hf_trainer_sft.py's class, TRL's `SFTTrainer`, with
+  the same model, rows (tokenized, one sequence a row, no packing), settings and added line. TRL computes
+  its own loss (its `compute_loss`, its fused LM head), so the integration keeps it: no chunked loss.
 - `cpcompile_trainer`: cpcompile's trainer, what `trainer_gpu.py --simulate-cp 2 --tokens 2xSEQ
   --ranks first --sdpa all_gather` measures, run by that script (`--simulate-row`): FSDP2 over the 2
   fake ranks computing in bf16, activation checkpointing on every layer, `--trainer-loss` (the
   trainer's default `chunked`: no logits; `full` for the HF loss's memory), its layers compiled
   (inductor on CUDA, as the HF row's).
 
-`--compile-backend` sets both rows' layer backend (default: each one's own, inductor on CUDA);
-`--rows` runs some of the rows only.
+`--compile-backend` sets every row's layer backend (default: each one's own, inductor on CUDA);
+`--rows` picks the rows.
 
-Both build trainer_gpu.py's Qwen3.5-shaped 0.57B model (random weights, seed 0; `--small`: its tiny
+All build trainer_gpu.py's Qwen3.5-shaped 0.57B model (random weights, seed 0; `--small`: its tiny
 twin) and run the same plan (trainer_gpu.config: SDPA AllGather `sdpa_hf`, GDN State-P2P on the Triton
 core, eager on CPU). The data: one unpadded sequence of 2 x `--seq-len` random tokens a step (no
 packed documents), cut by `shard_batch` into `--seq-len` for rank 0. `--warmup` steps (the first
@@ -61,7 +64,8 @@ sys.path.insert(0, HERE)
 CP, RANK = 2, 0
 ROW_MARK = "HF_GPU_ROW "
 SIMULATED_ROW_MARK = "SIMULATED_ROW "  # simulate_cp.ROW_MARK, read without importing torch here
-ROWS = ("hf_trainer", "cpcompile_trainer")
+ROWS = ("hf_trainer", "sft_trainer", "cpcompile_trainer")
+IN_PROCESS_ROWS = {"hf_trainer": "hf_trainer_row", "sft_trainer": "sft_trainer_row"}  # run by this script
 # what a row that is not last leaves to the rows after it (imports, model build, CP rewrite, a step)
 RESERVE_SECONDS = 90
 
@@ -130,36 +134,36 @@ def step_timer(device: str, warmup: int):
     return StepTimer()
 
 
-def hf_trainer_row(args) -> dict:
-    """Row A: build the HF Trainer, add CP as the example does, train warm-up + measured steps."""
+def model_and_rows(args):
+    """trainer_gpu.py's model (seed 0, SDPA) and `--warmup + --steps` rows of 2 x `--seq-len` random ids."""
     import torch
     import transformers
-    from transformers import Trainer, TrainingArguments, default_data_collator
 
-    from cpcompile.integrations.transformers import context_parallel
     from cpcompile.trainer.hf_config import model_config
-    from cpcompile.trainer.metrics import peak_memory_gib
     from trainer_gpu import MODEL, SMALL
 
-    start_fake_job()
     config = model_config(SMALL if args.small else MODEL)
     config._attn_implementation = "sdpa"  # as the cpcompile trainer builds it
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config)
-    steps = args.warmup + args.steps
     gen = torch.Generator().manual_seed(1)
-    rows = [{"input_ids": ids, "labels": ids}
-            for ids in torch.randint(1, config.vocab_size, (steps, CP * args.seq_len), generator=gen)]
-    timer = step_timer(args.device, args.warmup)
-    training = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf_trainer_gpu_"), use_cpu=args.device == "cpu", bf16=True,
-        per_device_train_batch_size=1, max_steps=steps, learning_rate=3e-4, weight_decay=0.01, max_grad_norm=1.0,
-        gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False},
-        logging_strategy="no", save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0)
-    trainer = Trainer(model=model, args=training, train_dataset=rows, data_collator=default_data_collator,
-                      callbacks=[timer])
-    trainer = context_parallel(trainer, plan=plan_dict(args), compile_backend=args.compile_backend,
-                               loss=args.hf_loss)  # the example's added line
+    ids = torch.randint(1, config.vocab_size, (args.warmup + args.steps, CP * args.seq_len), generator=gen)
+    return model, ids
+
+
+def training_kwargs(args) -> dict:
+    """What both Hugging Face rows set, in TrainingArguments' (and TRL's SFTConfig's) names."""
+    return dict(output_dir=tempfile.mkdtemp(prefix="hf_trainer_gpu_"), use_cpu=args.device == "cpu", bf16=True,
+                per_device_train_batch_size=1, max_steps=args.warmup + args.steps, learning_rate=3e-4,
+                weight_decay=0.01, max_grad_norm=1.0, gradient_checkpointing=True,
+                gradient_checkpointing_kwargs={"use_reentrant": False}, logging_strategy="no", save_strategy="no",
+                report_to=[], disable_tqdm=True, dataloader_num_workers=0)
+
+
+def train_measured(trainer, timer, model, args) -> dict:
+    """Train warm-up + measured steps; their mean time, peak memory, and the tokens the model saw."""
+    from cpcompile.trainer.metrics import peak_memory_gib
+
     timer.trainer = trainer
     seen = []  # the tokens the model is called with: rank 0's slice, not the whole sequence
     model.register_forward_pre_hook(lambda module, a, kw: seen.append(kw["input_ids"].shape[-1]), with_kwargs=True)
@@ -169,6 +173,53 @@ def hf_trainer_row(args) -> dict:
     return {"seconds": seconds, "tokens_per_s": args.seq_len / seconds, "peak_gib": peak_memory_gib(args.device),
             "parallel": type(trainer.model_wrapped).__name__, "local_tokens": seen[-1],
             "cp_compiled": trainer._cp.compiled}
+
+
+def hf_trainer_row(args) -> dict:
+    """Row A: build the HF Trainer, add CP with the two lines, train warm-up + measured steps."""
+    from transformers import Trainer, TrainingArguments, default_data_collator
+
+    from cpcompile.integrations.transformers import context_parallel
+
+    start_fake_job()
+    model, ids = model_and_rows(args)
+    timer = step_timer(args.device, args.warmup)
+    trainer = Trainer(model=model, args=TrainingArguments(**training_kwargs(args)),
+                      train_dataset=[{"input_ids": row, "labels": row} for row in ids],
+                      data_collator=default_data_collator, callbacks=[timer])
+    trainer = context_parallel(trainer, plan=plan_dict(args), compile_backend=args.compile_backend,
+                               loss=args.hf_loss)  # the added line
+    return train_measured(trainer, timer, model, args)
+
+
+def sft_trainer_row(args) -> dict:
+    """Row A': examples/hf_trainer_sft.py's class, TRL's SFTTrainer, on the same model and rows (tokenized,
+    one sequence a row, no packing: the rows are the sequence), with the same added line. TRL computes
+    its own loss (its `compute_loss`), so the integration's default keeps it (docs/hf_trainer.md)."""
+    from datasets import Dataset
+    from trl import SFTConfig, SFTTrainer
+
+    from cpcompile.integrations.transformers import context_parallel
+
+    start_fake_job()
+    model, ids = model_and_rows(args)
+    timer = step_timer(args.device, args.warmup)
+    config = SFTConfig(**training_kwargs(args), max_length=CP * args.seq_len, packing=False)
+    trainer = SFTTrainer(model=model, args=config, processing_class=word_tokenizer(model.config.vocab_size),
+                         train_dataset=Dataset.from_list([{"input_ids": row.tolist()} for row in ids]),
+                         callbacks=[timer])
+    trainer = context_parallel(trainer, plan=plan_dict(args), compile_backend=args.compile_backend)  # the added line
+    return train_measured(trainer, timer, model, args)
+
+
+def word_tokenizer(vocab: int):
+    """A word-level tokenizer over the model's vocabulary (SFTTrainer needs one; no download)."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
 
 
 # ------------------------------------------------------------------------- row B: cpcompile trainer
@@ -198,12 +249,12 @@ def from_simulated(row: dict) -> dict:
 
 def run_row(args, name: str, seconds: float) -> dict:
     """One row in a fresh subprocess within `seconds`; -> its numbers or a `note` saying why not."""
-    if name == "hf_trainer":
+    if name in IN_PROCESS_ROWS:
         command, mark = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--row", name], ROW_MARK
     else:
         command, mark = cpcompile_command(args), SIMULATED_ROW_MARK
     env = {**os.environ}
-    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the same allocator for both rows
+    env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # the same allocator for every row
     started = time.perf_counter()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=seconds, env=env, cwd=ROOT)
@@ -214,7 +265,7 @@ def run_row(args, name: str, seconds: float) -> dict:
         print(done.stdout[-2000:] + done.stderr[-4000:], file=sys.stderr, flush=True)
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         return {"note": f"failed (exit {done.returncode}): {last[:200]}"}
-    row = row if name == "hf_trainer" else from_simulated(row)
+    row = row if name in IN_PROCESS_ROWS else from_simulated(row)
     return {**row, "wall_s": time.perf_counter() - started}
 
 
@@ -255,16 +306,17 @@ def parse(argv=None) -> argparse.Namespace:
     parser.add_argument("--trainer-loss", default="chunked", choices=("chunked", "full"),
                         help="the cpcompile trainer's loss (the HF row's is always the model's own, full logits)")
     parser.add_argument("--gdn-backend", default=None, choices=("triton", "eager"),
-                        help="both rows' GDN core: default triton on cuda, eager on cpu (triton on cpu: "
+                        help="every row's GDN core: default triton on cuda, eager on cpu (triton on cpu: "
                              "TRITON_INTERPRET=1)")
     parser.add_argument("--hf-loss", default=None, choices=("chunked", "model"),
                         help="the HF row's context_parallel(loss=...); default: the integration's (chunked)")
     parser.add_argument("--compile-backend", default=None,
-                        help="both rows' decoder-layer torch.compile backend (eager: none); default: each one's own")
-    parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated, of " + ", ".join(ROWS))
-    parser.add_argument("--max-seconds", type=float, default=240.0, help="for both rows together")
+                        help="every row's decoder-layer torch.compile backend (eager: none); default: each one's own")
+    parser.add_argument("--rows", default="hf_trainer,cpcompile_trainer",
+                        help="comma-separated, of " + ", ".join(ROWS) + " (sft_trainer needs trl)")
+    parser.add_argument("--max-seconds", type=float, default=240.0, help="for the rows together")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
-    parser.add_argument("--row", default=None, choices=("hf_trainer",), help=argparse.SUPPRESS)  # in the child
+    parser.add_argument("--row", default=None, choices=tuple(IN_PROCESS_ROWS), help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup >= 1 (the first step compiles) and --steps >= 1")
@@ -276,7 +328,7 @@ def parse(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
     if args.row:
-        print(ROW_MARK + json.dumps(hf_trainer_row(args)), flush=True)
+        print(ROW_MARK + json.dumps(globals()[IN_PROCESS_ROWS[args.row]](args)), flush=True)
         return
     start, rows = time.perf_counter(), {}
     names = [name for name in ROWS if name in args.rows.split(",")]

@@ -15,7 +15,7 @@
 #            cp 2/4/8 (load_memory_gpu.py, ~5-8 min), compiled CP layers on CUDA and CP=2..16 ranks
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
-#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c|seventh_a)
+#            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c|seventh_a|seventh_b)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -230,6 +230,19 @@ if has trainer; then
       | grep -E "passed|failed|^E |^varlen" | head -20
     timeout "$(left 5)" python3 benchmarks/finetune_gpu.py --steps 6 --out "$out/finetune_gpu.md" \
       2>&1 | tee "$out/finetune.log" | grep -E "^\||^step|Error" | tail -12
+  fi
+  # seventh_b (~7 min; carry [".whl"] with the wheels of trl 1.16, datasets 5.2, dill and multiprocess for
+  # Python 3.12: `pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl trl==1.16.0
+  # datasets==5.2.0 "dill<0.4.2" "multiprocess<0.70.20"`): issue 52's row of examples/hf_trainer_sft.py's
+  # class, TRL's SFTTrainer (its own loss), beside cpcompile's trainer, then the varlen GPU test
+  if [ "$what" = seventh_b ]; then
+    end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
+    python3 -m pip install -q --no-deps .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 80)" python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds "$(left 85)" --rows "${HF_ROWS:-sft_trainer,cpcompile_trainer}" --out "$out/hf_trainer_gpu.md" \
+      2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
+    timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
+      --tb=short -s 2>&1 | tee "$out/seventh_b_tests.log" | grep -E "passed|failed|^E |^varlen" | head -20
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
