@@ -8,9 +8,9 @@
     python benchmarks/hf_trainer_gpu.py --small --device cpu --seq-len 64 --warmup 1 --steps 1   # smoke
 
 Three rows (by default the first and the last), each in its own subprocess (one that fails or runs
-out of memory is a row saying so, and the others still run), each playing rank 0 of CP=2 (`dist.init_process_group("fake", rank=0,
-world_size=2)`: every collective returns at once; memory and compute are the rank's, communication
-costs nothing, the loss is meaningless):
+out of memory is a row saying so, and the others still run), each playing rank 0 of CP=2
+(`dist.init_process_group("fake", rank=0, world_size=2)`: every collective returns at once; memory
+and compute are the rank's, communication costs nothing, the loss is meaningless):
 
 - `hf_trainer`: a stock `transformers.Trainer` (the class examples/hf_trainer_sft.py's TRL `SFTTrainer`
   subclasses; TRL is not installed on the lent GPU machines) on the model, then
@@ -65,7 +65,7 @@ CP, RANK = 2, 0
 ROW_MARK = "HF_GPU_ROW "
 SIMULATED_ROW_MARK = "SIMULATED_ROW "  # simulate_cp.ROW_MARK, read without importing torch here
 ROWS = ("hf_trainer", "sft_trainer", "cpcompile_trainer")
-IN_PROCESS_ROWS = {"hf_trainer": "hf_trainer_row", "sft_trainer": "sft_trainer_row"}  # run by this script
+IN_PROCESS_ROWS = ("hf_trainer", "sft_trainer")  # run by this script in a child (`--row`)
 # what a row that is not last leaves to the rows after it (imports, model build, CP rewrite, a step)
 RESERVE_SECONDS = 90
 
@@ -201,25 +201,18 @@ def sft_trainer_row(args) -> dict:
 
     from cpcompile.integrations.transformers import context_parallel
 
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    from hf_trainer_sft import tiny_tokenizer  # the example's word-level tokenizer, over any vocabulary
+
     start_fake_job()
     model, ids = model_and_rows(args)
     timer = step_timer(args.device, args.warmup)
     config = SFTConfig(**training_kwargs(args), max_length=CP * args.seq_len, packing=False)
-    trainer = SFTTrainer(model=model, args=config, processing_class=word_tokenizer(model.config.vocab_size),
+    trainer = SFTTrainer(model=model, args=config, processing_class=tiny_tokenizer(model.config.vocab_size),
                          train_dataset=Dataset.from_list([{"input_ids": row.tolist()} for row in ids]),
                          callbacks=[timer])
     trainer = context_parallel(trainer, plan=plan_dict(args), compile_backend=args.compile_backend)  # the added line
     return train_measured(trainer, timer, model, args)
-
-
-def word_tokenizer(vocab: int):
-    """A word-level tokenizer over the model's vocabulary (SFTTrainer needs one; no download)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import PreTrainedTokenizerFast
-
-    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
 
 
 # ------------------------------------------------------------------------- row B: cpcompile trainer
@@ -316,7 +309,7 @@ def parse(argv=None) -> argparse.Namespace:
                         help="comma-separated, of " + ", ".join(ROWS) + " (sft_trainer needs trl)")
     parser.add_argument("--max-seconds", type=float, default=240.0, help="for the rows together")
     parser.add_argument("--out", default=None, help="write the table here (markdown)")
-    parser.add_argument("--row", default=None, choices=tuple(IN_PROCESS_ROWS), help=argparse.SUPPRESS)  # the child
+    parser.add_argument("--row", default=None, choices=IN_PROCESS_ROWS, help=argparse.SUPPRESS)  # the child
     args = parser.parse_args(argv)
     if args.warmup < 1 or args.steps < 1:
         parser.error("--warmup >= 1 (the first step compiles) and --steps >= 1")
@@ -328,7 +321,8 @@ def parse(argv=None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
     if args.row:
-        print(ROW_MARK + json.dumps(globals()[IN_PROCESS_ROWS[args.row]](args)), flush=True)
+        row = {"hf_trainer": hf_trainer_row, "sft_trainer": sft_trainer_row}[args.row]
+        print(ROW_MARK + json.dumps(row(args)), flush=True)
         return
     start, rows = time.perf_counter(), {}
     names = [name for name in ROWS if name in args.rows.split(",")]

@@ -68,12 +68,13 @@ def tiny_model():
     return Qwen3_5ForCausalLM(config)
 
 
-def tiny_tokenizer():
+def tiny_tokenizer(vocab: int = TINY_VOCAB):
+    """A word-level tokenizer (token i is the word "t<i>"): an SFTTrainer needs one, none is downloaded."""
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
     from transformers import PreTrainedTokenizerFast
 
-    words = Tokenizer(WordLevel({f"t{i}": i for i in range(TINY_VOCAB)}, unk_token="t0"))
+    words = Tokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     return PreTrainedTokenizerFast(tokenizer_object=words, pad_token="t0", eos_token="t1")
 
 
