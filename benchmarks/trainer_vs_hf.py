@@ -3,7 +3,7 @@
     python benchmarks/trainer_vs_hf.py                     # 32K, 64K, 128K, then the longest that fits
     options: --seq-lens 32K,64K,128K --max-seq-len 4M --warmup 3 --repeat 5 --max-seconds 300 --total-seconds 450
              --compile-backend inductor --gdn-checkpoint-around-core --offload-layer-inputs --sdpa-backend cudnn
-             --methods cpcompile,hf,hf_fused_ce --out FILE
+             --methods cpcompile,hf,hf_fused_ce --profile --out FILE
     python benchmarks/trainer_vs_hf.py --small --device cpu --seq-lens 256 --out /tmp/r.md   # smoke (no search)
     (--warmup 0 --repeat 1 with cpcompile alone: one step, for the longest lengths; the allocator runs with
     expandable segments unless PYTORCH_CUDA_ALLOC_CONF says otherwise)
@@ -37,7 +37,8 @@ left of `--total-seconds` when less (the defaults, 300 and 450, keep the run wit
 H200). An attempt whose set-up, warm-up and one measured step are predicted to go past it (from the
 last attempt: its set-up time, and its step ~3x as long at twice the length) is not started, and a
 started one stops measuring when its next step would pass it (at least one measured step); the
-table says how many ran. MFU: (6 x matmul parameters, the head's included,
+table says how many ran. With `--profile` every attempt runs one step more after them, under
+PyTorch's profiler, and the results file gets that step's ops by device time (step_profile.py). MFU: (6 x matmul parameters, the head's included,
 + 6 x attention layers x seq_len x heads x head_dim) per token (no recompute counted), against
 `--peak-tflops` (H200 dense bf16: 989). Results: `benchmarks/results/trainer_vs_hf_<date>_<device>.md`.
 """
@@ -214,7 +215,7 @@ def run_attempt(args, spec: dict) -> dict:
     row["device_name"] = torch.cuda.get_device_name().replace(" ", "-") if cuda else "cpu"
     phase = "build"
     try:
-        total_steps = spec["warmup"] + spec["repeat"]
+        total_steps = spec["warmup"] + spec["repeat"] + int(args.profile)
         if spec["method"] == "cpcompile":
             step, model = build_cpcompile(args, spec["seq_len"], total_steps)
             row["loss_fn"], row["gdn_kernel"] = "chunked (cpcompile)", "cpcompile Triton" if cuda else "cpcompile eager"
@@ -231,6 +232,9 @@ def run_attempt(args, spec: dict) -> dict:
         phase = "measured steps"
         with adam_state_stand_in(model, row, cuda and spec["warmup"] == 0):
             seconds = measure(step, spec, cuda, deadline=start + spec["deadline_s"])
+        if args.profile:
+            phase = "profiled step"
+            row["profile"] = profiled_step(step, spec["warmup"] + len(seconds), args.device)
     except torch.OutOfMemoryError as exc:
         held = f"; peak allocated {torch.cuda.max_memory_allocated() / GIB:.1f} GiB" if cuda else ""
         return {**row, "note": f"OOM ({phase}: {oom_summary(exc)}{held})"}
@@ -241,6 +245,16 @@ def run_attempt(args, spec: dict) -> dict:
     return {**row, "repeat": len(seconds), "seconds": mean, "tokens_per_s": spec["seq_len"] / mean,
             "peak_gib": torch.cuda.max_memory_allocated() / GIB if cuda else None,
             "mfu": per_token * spec["seq_len"] / mean / (args.peak_tflops * 1e12)}
+
+
+def profiled_step(step, index: int, device: str) -> str:
+    """One more step under PyTorch's profiler -> its ops by device time (step_profile.py)."""
+    from step_profile import kernel_table
+
+    tables: list[str] = []
+    with kernel_table(device, tables, rows=40):
+        step(index)
+    return tables[0]
 
 
 def oom_summary(exc: Exception) -> str:
@@ -386,6 +400,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines + ([""] + notes if notes else []))
 
 
+def profiles(rows: list[dict]) -> str:
+    """With --profile: each attempt's profiled step (after its measured ones), ops by device time."""
+    return "".join(f"\n\n### Profile: {row['method']} {short(row['seq_len'])} (one step after the measured ones)"
+                   f"\n\n```\n{row['profile']}\n```" for row in rows if "profile" in row)
+
+
 def longest(rows: list[dict]) -> str:
     """One line per method: the longest length that ran, and what stopped the search."""
     lines = []
@@ -439,6 +459,8 @@ def main() -> None:
                         help="the trainer's train.offload_layer_inputs (docs/trainer.md)")
     parser.add_argument("--sdpa-backend", default=None, choices=tuple(SDPA_BACKENDS),
                         help="the trainer's train.sdpa_backend (docs/trainer.md); the peers keep PyTorch's choice")
+    parser.add_argument("--profile", action="store_true",
+                        help="one more step an attempt, profiled; its ops by device time in the results file")
     parser.add_argument("--peak-tflops", type=float, default=989.0)
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="trainer_gpu.py's tiny model (smoke runs)")
@@ -466,7 +488,7 @@ def main() -> None:
         rows += run_method(args, sys.argv[1:], method, min(args.max_seconds, left))
     text = (f"{'tiny model' if args.small else 'Qwen3.5-shaped 0.57B'}, {args.device}, batch 1, fp32 parameters + "
             f"bf16 compute, AdamW, grad clip 1.0; MFU against {args.peak_tflops:g} TFLOP/s.\n\n"
-            f"{table(rows)}\n\n{longest(rows)}")
+            f"{table(rows)}\n\n{longest(rows)}{profiles(rows)}")
     print("\n" + text, flush=True)
     print(f"\nwritten: {write_results(args, rows, text)}", flush=True)
 

@@ -25,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 from ..errors import CPInputError
 from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
 from ..kernels.gdn.conv import causal_conv, conv_silu_tokens, conv_taps, triton_conv_applies
+from ..kernels.gdn import normalising_core
 from ..kernels.gdn.layout import contiguous_when_compiled
 from ..kernels.gdn.layer_ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
@@ -114,16 +115,22 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
                            f"the layer has activation {layer.activation!r}")
     batch, length, _ = hidden_states.shape
     value_dim = layer.head_v_dim
+    norm_in_core = normalising_core.applies(hidden_states, backend)  # eager CUDA: the norm in the core's kernels
     if checkpoint_around_core:
         def inputs(hidden):  # v as its own tensor: a view would hold the whole SiLU output alive
-            query, key, value, *rest = gdn_core_inputs(layer, hidden, attention_mask, document_positions, backend)
+            query, key, value, *rest = gdn_core_inputs(layer, hidden, attention_mask, document_positions, backend,
+                                                       normalise_qk=not norm_in_core)
             return query, key, value.contiguous(), *rest
         query, key, value, g, beta, z, starts = checkpoint(inputs, hidden_states, use_reentrant=False)
     else:
         query, key, value, g, beta, z, starts = gdn_core_inputs(layer, hidden_states, attention_mask,
-                                                                 document_positions, backend)
-    core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, layer.head_k_dim**-0.5, chunk_size,
-                                         backend, starts)
+                                                                 document_positions, backend,
+                                                                 normalise_qk=not norm_in_core)
+    scale = layer.head_k_dim**-0.5
+    if norm_in_core:
+        core = normalising_core.chunk_normalising_qk(query, key, value, g, beta, scale, chunk_size, starts)
+    else:
+        core = torch.ops.cpcompile.gdn_chunk(query, key, value, g, beta, None, scale, chunk_size, backend, starts)
     core = core.to(value.dtype)
 
     def output(core, z):  # the gated norm and out_proj
@@ -135,9 +142,12 @@ def gdn_layer_forward(layer: nn.Module, hidden_states: torch.Tensor, attention_m
 
 
 def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None,
-                    document_positions: torch.Tensor | None, backend: str = "eager") -> tuple:
+                    document_positions: torch.Tensor | None, backend: str = "eager",
+                    normalise_qk: bool = True) -> tuple:
     """The GDN layer up to its core: -> (q, k, v, g, beta, z, document starts or None); q and k
-    L2-normalised in float32, v `[B, T, V heads, V dim]`, z the output gate's projection.
+    L2-normalised in float32 (with `normalise_qk=False` as the conv left them: the eager CUDA core
+    normalises them itself, `kernels/gdn/normalising_core.py`), v `[B, T, V heads, V dim]`, z the
+    output gate's projection.
 
     On the triton backend run eagerly on CUDA the conv and its SiLU are one Triton kernel on the
     projection's token-major output (`kernels/gdn/conv.py`); q, k and v are then views of a
@@ -165,8 +175,9 @@ def gdn_core_inputs(layer: nn.Module, hidden_states: torch.Tensor, attention_mas
 
     query, key, value = torch.split(mixed, [layer.key_dim, layer.key_dim, layer.value_dim], dim=-1)
     # q/k normalisation as Qwen3.5's reference does it: in fp32, and kept in fp32
-    query = l2norm(query.reshape(batch, length, -1, key_dim).float())
-    key = l2norm(key.reshape(batch, length, -1, key_dim).float())
+    query, key = (x.reshape(batch, length, -1, key_dim) for x in (query, key))
+    if normalise_qk:
+        query, key = l2norm(query.float()), l2norm(key.float())
     value = value.reshape(batch, length, -1, value_dim)
     query, key, value = (contiguous_when_compiled(x) for x in (query, key, value))  # kernels/gdn/layout.py
     beta = b.sigmoid()

@@ -79,3 +79,10 @@ def test_gdn_conv_benchmark_smoke():
         assert float(row[7]) < 1e-2, row
     tuned = run_script("gdn_conv.py", "--smoke", "--tune")
     assert {r.split("|")[1].strip() for r in tuned.splitlines() if r.endswith("* |")} == {"fwd", "bwd"}, tuned
+
+
+def test_gdn_eager_layer_benchmark_smoke():
+    """Both forms of cpcompile's eager GDN layer run forward and backward (tiny, interpreter)."""
+    out = run_script("gdn_eager_layer.py", "--smoke", "--warmup", "0", "--repeat", "1")
+    rows = [r for r in out.splitlines() if r.startswith("| cpcompile")]
+    assert len(rows) == 2, out[-2000:]
