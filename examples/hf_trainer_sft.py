@@ -111,7 +111,7 @@ def main() -> None:
                      save_strategy="no", report_to=[], disable_tqdm=True)
     trainer = SFTTrainer(model=model, args=args, processing_class=tokenizer,
                          train_dataset=documents(8 * opts.steps, opts.seq_len, len(tokenizer)))
-    plan = opts.plan or suggested_plan(load(opts.model)[0], opts.seq_len, opts.output_dir, opts.cpu, opts.cp)
+    plan = opts.plan or suggested_plan(model, opts.seq_len, opts.output_dir, opts.cpu, opts.cp)
     trainer = context_parallel(trainer, plan=plan, fsdp=opts.fsdp)  # added line 2 of 2
     trainer.train()
     if opts.print_losses and trainer.is_world_process_zero():
