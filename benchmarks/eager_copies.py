@@ -9,7 +9,9 @@ every `aten::mul` of the next step, with the bytes it writes, by phase and by so
 
 The GDN core runs cpcompile's Triton kernels in Triton's CPU interpreter (TRITON_INTERPRET=1, set
 here unless given), so that its Python wrappers' copies are the GPU path's; the eager GDN backend's
-backward (`torch.func.vjp`) does not run under a dispatch mode.
+backward (`torch.func.vjp`) does not run under a dispatch mode. The GDN layers take the eager CUDA
+layer's core with the q/k norm inside (`kernels/gdn/normalising_core.py`, which applies to CUDA
+tensors only, forced here), unless `--stated-norm`.
 
 How an op is placed. A dispatch mode sees each op below autograd, so `.to()` arrives as
 `_to_copy` and `.contiguous()` as `clone`. The phase: no autograd node running -> forward (or
@@ -213,7 +215,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--loss-chunk-tokens", type=int, default=64, help="8 chunks a step, as 32K / 4096 on GPU")
     parser.add_argument("--rows", type=int, default=200)
+    parser.add_argument("--stated-norm", action="store_true",
+                        help="GDN q/k norm as stated (fp32, then gdn_chunk): the eager CUDA path before 2026-12-07")
     args = parser.parse_args()
+    if not args.stated_norm:  # the eager CUDA layer's core with the norm inside applies to CUDA tensors: forced
+        from cpcompile.kernels.gdn import normalising_core
+
+        normalising_core.applies = lambda x, backend: backend == "triton" and not torch.compiler.is_compiling()
     print(report(count_step(args), args.rows), flush=True)
 
 
