@@ -23,9 +23,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..errors import CPInputError
-from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm
+from ..kernels.gdn import CHUNK_SIZE, check_backend, l2norm, normalising_core
 from ..kernels.gdn.conv import causal_conv, conv_silu_tokens, conv_taps, triton_conv_applies
-from ..kernels.gdn import normalising_core
 from ..kernels.gdn.layout import contiguous_when_compiled
 from ..kernels.gdn.layer_ops import require_backend  # also registers the cpcompile:: ops
 from ..methods import AdapterSpec, CPMethod, MethodSpec, inner_wrapper, register_adapter
