@@ -11,6 +11,8 @@
 - ``conv``    the layer's causal depthwise conv before the core: ``F.conv1d``, or its taps under
               ``torch.compile`` and within packed documents, or (triton backend, eager, CUDA)
               ``cpcompile::gdn_conv``, registered by ``conv_ops`` (kernels: ``triton/conv``);
+- ``normalising_core`` the eager CUDA layer's core with the q/k L2 norm inside (kernels:
+              ``triton/normalising_core``);
 - ``triton/`` cpcompile's Triton kernels (the ``triton`` backend).
 
 Importing this package never imports triton, nor registers the custom ops (``layer_ops`` does;
