@@ -248,22 +248,23 @@ if has trainer; then
       2>&1 | tee "$out/finetune.log" | grep -E "^\||^step|Error" | tail -12
   fi
   # seventh_c (one call for both issues when only one machine comes; carry [".whl"] with every wheel of
-  # seventh_a and seventh_b): the normalising core's GPU test, the eager 32K step against the peer
-  # with profiles, the SFT row beside cpcompile's trainer, then the eager layer three ways and the
-  # varlen test with what is left
+  # seventh_a and seventh_b): the normalising core's GPU test, the eager layer three ways, the eager 32K
+  # step against the peer with profiles, then with what is left the SFT row beside cpcompile's trainer
+  # and the varlen test
   if [ "$what" = seventh_c ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
     python3 -m pip install -q --no-deps .whl/*.whl
     timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
       --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
-    timeout 210 python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
-      --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 100 --profile --total-seconds 200 \
+    timeout 60 python3 benchmarks/gdn_eager_layer.py --T 32768 --repeat 10 --out "$out/gdn_eager_layer.md" 2>&1 \
+      | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
+    timeout "$(($(left 2) < 210 ? $(left 2) : 210))" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
+      --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 100 --profile \
+      --total-seconds "$(($(left 10) < 200 ? $(left 10) : 200))" \
       --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 20)" python3 benchmarks/hf_trainer_gpu.py \
-      --max-seconds "$(left 25)" --rows sft_trainer,cpcompile_trainer --out "$out/hf_trainer_gpu.md" \
-      2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
-    [ "$(left 0)" -gt 40 ] && timeout "$(left 2)" python3 benchmarks/gdn_eager_layer.py --T 32768 --repeat 10 \
-      --out "$out/gdn_eager_layer.md" 2>&1 | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
+    [ "$(left 0)" -gt 120 ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 20)" \
+      python3 benchmarks/hf_trainer_gpu.py --max-seconds "$(left 25)" --rows sft_trainer,cpcompile_trainer \
+      --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
     [ "$(left 0)" -gt 40 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/varlen_tests.log" \
       | grep -E "passed|failed|^E |^varlen" | head -20
