@@ -214,15 +214,18 @@ if has trainer; then
         2>&1 | tee "$out/padded_$pad.log" | grep -E "^\|" | tail -1
     done
   fi
-  # seventh_a (2026-12-07, up to ~9.5 min; carry [".whl"] with cut-cross-entropy's wheel): issue 48 item 5.
+  # seventh_a (2026-12-07, up to ~9.5 min; carry [".whl"] with the wheels of cut-cross-entropy and fla-core
+  # 0.6.0: the lent machines have neither, and without fla-core the peer runs transformers' PyTorch GDN
+  # reference, too slow to time): issue 48 item 5.
   # The eager CUDA GDN layer with its q/k norm in the core, bf16 against fp32; one eager GDN layer three
   # ways (norm stated in fp32, in the core, transformers' on fla-core); the eager 32K step against
   # transformers + fla-core + cut-cross-entropy with each one's profiled step; then the varlen GPU test
   # judged on keys no real query reads (sixth_c's run counted one-token documents' keys among them)
   if [ "$what" = seventh_a ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
-    ls .whl/*.whl > /dev/null 2>&1 && python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl
-    timeout 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
+    python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl .whl/fla_core-*.whl
+    # 240 s: 75 were not enough on 2026-12-07 (seventh_c; its fp32 reference builds the fp32 kernels too)
+    timeout 240 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
       --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
     timeout 90 python3 benchmarks/gdn_eager_layer.py --T 32768 --out "$out/gdn_eager_layer.md" 2>&1 \
       | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
