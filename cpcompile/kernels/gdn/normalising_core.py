@@ -34,10 +34,8 @@ def chunk_normalising_qk(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tenso
     from .triton.normalising_core import NormalisingChunk
 
     check_starts(starts, g)
-    q, k = cast_and_check(q, k, v, g, beta, None, chunk_size)  # in the kernel dtype
+    q, k = cast_and_check(q, k, v, g, beta, None, chunk_size)  # contiguous, in the kernel dtype
     if starts is not None:
         g = reset_decay_at_starts(g, starts)
-    # the kernels index rows densely; `.to` of a tensor already in the kernel dtype keeps a dense
-    # permuted layout (q of a one-row batch is channel-major), so the cast alone is not enough
-    q, k, v, g, beta = (x.contiguous() for x in (q, k, v, g, beta))
+    v, g, beta = (x.contiguous() for x in (v, g, beta))  # the kernels index rows densely
     return NormalisingChunk.apply(q, k, v, g, beta, scale)

@@ -181,18 +181,18 @@ def kernel_dtype(v: Tensor) -> torch.dtype:
 
 def cast_and_check(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, initial_state: Tensor | None,
                    chunk_size: int = CHUNK_SIZE) -> tuple[Tensor, Tensor]:
-    """q, k in the kernel dtype, after every input and device check (metadata only: also runs on
-    fake tensors, so a GDN region fails at trace time, inside ``cpcompile.compile``).
+    """q, k in the kernel dtype and contiguous, after every input and device check (metadata only:
+    also runs on fake tensors, so a GDN region fails at trace time, inside ``cpcompile.compile``).
 
     Cast and layout in one copy: Qwen3.5's q and k reach the core as fp32 views of the conv's
     channel-major output, and a cast alone keeps that layout (``preserve_format``), so every
     caller's ``.contiguous()`` then copied them a second time (forward, replay and backward).
-    Contiguous only when the cast copies: a tensor already in the kernel dtype comes back as it is,
-    even a dense permuted view (q of a one-row batch), so callers still call ``.contiguous()``."""
+    ``.to`` of a tensor already in the kernel dtype returns it as it is, even a dense permuted view
+    (q of a one-row batch), hence the ``.contiguous()`` after it: a no-op when the cast copied."""
     dtype = kernel_dtype(v)
     for name, t in (("q", q), ("k", k)):
         if not t.dtype.is_floating_point:
             raise GDNCapabilityError("dtype", f"{name} must be floating; got {t.dtype}")
-    q, k = (t.to(dtype, memory_format=torch.contiguous_format) for t in (q, k))
+    q, k = (t.to(dtype, memory_format=torch.contiguous_format).contiguous() for t in (q, k))
     check(q, k, v, g, beta, initial_state, chunk_size)
     return q, k
