@@ -274,19 +274,20 @@ if has trainer; then
       | grep -E "passed|failed|^E |^varlen" | head -20
   fi
   # eighth (2026-12-07, one call for both issues when starts keep failing; carry [".whl"] with every
-  # wheel of seventh_a and seventh_b): the normalising core's GPU test (its reference now the eager
-  # fp32 core), the SFT row beside cpcompile's trainer (issue 52), then the eager 32K step against the
-  # peer with profiles, then the varlen test, each with what is left
+  # wheel of seventh_a and seventh_b): the SFT row beside cpcompile's trainer first (issue 52's one
+  # missing number), then the normalising core's GPU test (its reference now the eager fp32 core),
+  # then the eager 32K step against the peer with profiles, then the varlen test, each with what is left
   if [ "$what" = eighth ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-560})); left() { echo $((end - SECONDS - $1)); }
     python3 -m pip install -q --no-deps .whl/*.whl
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
-      --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(($(left 200) < 240 ? $(left 200) : 240))" \
-      python3 benchmarks/hf_trainer_gpu.py --max-seconds "$(($(left 205) < 235 ? $(left 205) : 235))" \
-      --rows sft_trainer,cpcompile_trainer --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
-    timeout "$(left 2)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
-      --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 120 --profile \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 benchmarks/hf_trainer_gpu.py \
+      --max-seconds 245 --rows sft_trainer,cpcompile_trainer --out "$out/hf_trainer_gpu.md" 2>&1 \
+      | tee "$out/hf.log" | grep -E "^\||Error"
+    timeout "$(($(left 2) < 120 ? $(left 2) : 120))" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/kernels/test_gdn_normalising_core.py --tb=short -s 2>&1 | tee "$out/normalising_core.log" \
+      | grep -E "passed|failed|^E |^normalising" | head -40
+    [ "$(left 0)" -gt 60 ] && timeout "$(left 2)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
+      --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 120 --profile \
       --total-seconds "$(left 8)" --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" \
       | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
     [ "$(left 0)" -gt 40 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
