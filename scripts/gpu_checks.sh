@@ -16,7 +16,7 @@
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
 #            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c|seventh_a|seventh_b|seventh_c|
-#            eighth)
+#            eighth|ninth)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -291,6 +291,16 @@ if has trainer; then
       --total-seconds "$(left 8)" --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" \
       | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
     [ "$(left 0)" -gt 40 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
+      tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/varlen_tests.log" \
+      | grep -E "passed|failed|^E |^varlen" | head -20
+  fi
+  # ninth (a short call, the GPU accuracy items of issue 48 alone; no wheels): the normalising core's
+  # GPU test, then the varlen test, with what SECONDS_LEFT allows
+  if [ "$what" = ninth ]; then
+    end=$((SECONDS + ${SECONDS_LEFT:-180})); left() { echo $((end - SECONDS - $1)); }
+    timeout "$(left 40)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
+      --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
+    [ "$(left 0)" -gt 20 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
       tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/varlen_tests.log" \
       | grep -E "passed|failed|^E |^varlen" | head -20
   fi
