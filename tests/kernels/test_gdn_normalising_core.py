@@ -35,6 +35,17 @@ def _layer(seed: int, head_dim: int, device: str = "cpu"):
     return Qwen3_5GatedDeltaNet(config, layer_idx=0).to(device)
 
 
+@torch.no_grad()
+def _correlated_layer(seed: int, no_decay: bool = False):
+    """A head-size-16 layer whose key projections are nearly parallel; `no_decay`: A_log = -30."""
+    layer = _layer(seed, 16)
+    keys = layer.in_proj_qkv.weight[layer.key_dim: 2 * layer.key_dim]
+    keys.copy_(keys[:1] + 0.05 * keys)
+    if no_decay:
+        layer.A_log.fill_(-30.0)
+    return layer
+
+
 def _case(name: str, batch: int, length: int, device: str, seed: int):
     """-> (attention mask or None, document positions or None) of a layout."""
     gen = torch.Generator().manual_seed(seed)
@@ -73,10 +84,7 @@ def test_norm_in_the_core_equals_the_stated_layer(monkeypatch, layout):
     (sums of cancelling terms) within 1e-4. Correlated keys make any misplaced norm show: the
     norm of nearly parallel keys is what keeps the chunk inverse well-conditioned."""
     seed = random.randrange(1 << 30)
-    layer = _layer(seed % 1000, 16)
-    with torch.no_grad():  # nearly parallel key projections
-        keys = layer.in_proj_qkv.weight[layer.key_dim: 2 * layer.key_dim]
-        keys.copy_(keys[:1] + 0.05 * keys)
+    layer = _correlated_layer(seed % 1000)
     batch = 1 if layout == "packed" else 2
     hidden = torch.randn(batch, 2 * CHUNK_SIZE + 11, TEXT["hidden_size"]) * 3  # not a chunk multiple
     weight = torch.randn(batch, hidden.shape[1], TEXT["hidden_size"])
@@ -100,11 +108,7 @@ def test_norm_in_the_core_without_decay_against_float64(monkeypatch, layout):
     with the norm in the core may be at most 1.5x as far from float64 as the stated fp32 path (the
     decay parameters' gradients 10x, as on the GPU), plus 1e-6 for rounding."""
     seed = random.randrange(1 << 30)
-    layer = _layer(seed % 1000, 16)
-    with torch.no_grad():
-        keys = layer.in_proj_qkv.weight[layer.key_dim: 2 * layer.key_dim]
-        keys.copy_(keys[:1] + 0.05 * keys)
-        layer.A_log.fill_(-30.0)
+    layer = _correlated_layer(seed % 1000, no_decay=True)
     batch = 1 if layout == "packed" else 2
     hidden = torch.randn(batch, 2 * CHUNK_SIZE + 11, TEXT["hidden_size"]) * 3
     weight = torch.randn(batch, hidden.shape[1], TEXT["hidden_size"])
