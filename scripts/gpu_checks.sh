@@ -61,6 +61,9 @@ if has order; then
 fi
 if has trainer; then
   what=${TRAINER:-vs_hf}
+  # one GPU test file of tests/kernels under a limit: its log in $out/LOG.log, its verdict lines shown
+  kernel_test() { timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider "tests/kernels/$2.py" --tb=short -s \
+    2>&1 | tee "$out/$3.log" | grep -E "passed|failed|^E |^$4" | head -40; }
   # EXTRA: trainer flags, e.g. "--methods cpcompile --seq-lens 32K,128K --sdpa-backend cudnn"
   [ "$what" = vs_hf ] && timeout 590 python3 benchmarks/trainer_vs_hf.py ${EXTRA:-} --out "$out/trainer_vs_hf.md" \
     2>&1 | tee "$out/trainer_vs_hf.log" | grep -E "^\||longest"
@@ -225,17 +228,15 @@ if has trainer; then
   if [ "$what" = seventh_a ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
     python3 -m pip install -q --no-deps .whl/cut_cross_entropy-*.whl .whl/fla_core-*.whl
-    # 120 s: the reference is now the eager fp32 core (seventh_c gave 75 s to fp32 Triton builds and logged nothing)
-    timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
-      --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
+    # 120 s: the reference is now the eager fp32 core (the 2026-12-07 H200 call gave 75 s to fp32 Triton builds and logged nothing)
+    kernel_test 120 test_gdn_normalising_core normalising_core normalising
     timeout 90 python3 benchmarks/gdn_eager_layer.py --T 32768 --out "$out/gdn_eager_layer.md" 2>&1 \
       | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
     timeout "$(($(left 80) < 300 ? $(left 80) : 300))" python3 benchmarks/trainer_vs_hf.py \
       --methods cpcompile,hf_fused_ce --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 3 \
       --repeat 3 --max-seconds 140 --profile --total-seconds "$(($(left 95) < 285 ? $(left 95) : 285))" \
       --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
-    timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_varlen_attention.py \
-      --tb=short -s 2>&1 | tee "$out/varlen_tests.log" | grep -E "passed|failed|^E |^varlen" | head -20
+    kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   # seventh_b (~9.5 min; carry [".whl"] with the wheels of trl 1.16, datasets 5.2, dill and multiprocess for
   # Python 3.12: `pip download --no-deps --python-version 3.12 --only-binary=:all: -d .whl trl==1.16.0
@@ -258,8 +259,7 @@ if has trainer; then
   if [ "$what" = seventh_c ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
     python3 -m pip install -q --no-deps .whl/*.whl
-    timeout 75 python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
-      --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
+    kernel_test 75 test_gdn_normalising_core normalising_core normalising
     timeout 60 python3 benchmarks/gdn_eager_layer.py --T 32768 --repeat 10 --out "$out/gdn_eager_layer.md" 2>&1 \
       | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
     timeout "$(($(left 2) < 210 ? $(left 2) : 210))" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
@@ -269,9 +269,7 @@ if has trainer; then
     [ "$(left 0)" -gt 120 ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 20)" \
       python3 benchmarks/hf_trainer_gpu.py --max-seconds "$(left 25)" --rows sft_trainer,cpcompile_trainer \
       --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
-    [ "$(left 0)" -gt 40 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/varlen_tests.log" \
-      | grep -E "passed|failed|^E |^varlen" | head -20
+    [ "$(left 0)" -gt 40 ] && kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   # eighth (2026-12-07, one call for both issues when starts keep failing; carry [".whl"] with every
   # wheel of seventh_a and seventh_b): the SFT row beside cpcompile's trainer first (issue 52's one
@@ -283,26 +281,19 @@ if has trainer; then
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 benchmarks/hf_trainer_gpu.py \
       --max-seconds 245 --rows sft_trainer,cpcompile_trainer --out "$out/hf_trainer_gpu.md" 2>&1 \
       | tee "$out/hf.log" | grep -E "^\||Error"
-    timeout "$(($(left 2) < 120 ? $(left 2) : 120))" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/kernels/test_gdn_normalising_core.py --tb=short -s 2>&1 | tee "$out/normalising_core.log" \
-      | grep -E "passed|failed|^E |^normalising" | head -40
+    kernel_test "$(($(left 2) < 120 ? $(left 2) : 120))" test_gdn_normalising_core normalising_core normalising
     [ "$(left 0)" -gt 60 ] && timeout "$(left 2)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
       --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 120 --profile \
       --total-seconds "$(left 8)" --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" \
       | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
-    [ "$(left 0)" -gt 40 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/varlen_tests.log" \
-      | grep -E "passed|failed|^E |^varlen" | head -20
+    [ "$(left 0)" -gt 40 ] && kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   # ninth (a short call, the GPU accuracy items of issue 48 alone; no wheels): the normalising core's
   # GPU test, then the varlen test, with what SECONDS_LEFT allows
   if [ "$what" = ninth ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-180})); left() { echo $((end - SECONDS - $1)); }
-    timeout "$(left 40)" python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_gdn_normalising_core.py \
-      --tb=short -s 2>&1 | tee "$out/normalising_core.log" | grep -E "passed|failed|^E |^normalising" | head -40
-    [ "$(left 0)" -gt 20 ] && timeout "$(left 2)" python3 -m pytest -q -m gpu -p no:cacheprovider \
-      tests/kernels/test_varlen_attention.py --tb=short -s 2>&1 | tee "$out/varlen_tests.log" \
-      | grep -E "passed|failed|^E |^varlen" | head -20
+    kernel_test "$(left 40)" test_gdn_normalising_core normalising_core normalising
+    [ "$(left 0)" -gt 20 ] && kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
