@@ -118,6 +118,16 @@ def run_distributed(
     raise AssertionError("unreachable")
 
 
+def _release_cached_gpu_memory() -> None:
+    """Give the parent's cached CUDA blocks back before ranks start on the same GPU. The caching
+    allocator keeps what earlier tests in this process freed (the GPU kernel tests reach 288K tokens);
+    after them a spawned rank ran out of memory copying its first small batch (H100, 2026-12-07)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def _start_method(requested: str | None, threads: int) -> str:
     if requested is not None:
         if requested == "fork" and threads != 1:
@@ -136,6 +146,7 @@ def _start_method(requested: str | None, threads: int) -> str:
 
 
 def _run_once(fn, world_size, args, timeout, init_pg, backend, threads, env, start_method) -> list[Any]:
+    _release_cached_gpu_memory()
     ctx = mp.get_context(start_method)
     reports = ctx.Queue()
     base_env = {
