@@ -16,7 +16,7 @@
 #            (trainer_gpu.py --simulate-cp); each near the 10-minute limit of one device call: run
 #            it alone (SECTIONS=trainer TRAINER=vs_hf|load|simulate|compiled_cp|longest|attention|step32k|remaining|
 #            pending_a|pending_b|pending_c|next|sixth_a|sixth_b|sixth_c|seventh_a|seventh_b|seventh_c|
-#            eighth|ninth)
+#            eighth)
 #   multi    with several GPUs: cp_methods.py (every method, equivalence + speed), sdpa_vs_torch_cp.py
 #            (no CP / PyTorch's context_parallel / every SDPA method at 8K-128K), overlap_report.py
 # Usage: [SECTIONS="tests multi"] bash scripts/gpu_checks.sh OUT_DIR [gdn benchmark seconds]
@@ -64,6 +64,15 @@ if has trainer; then
   # one GPU test file of tests/kernels under a limit: its log in $out/LOG.log, its verdict lines shown
   kernel_test() { timeout "$1" python3 -m pytest -q -m gpu -p no:cacheprovider "tests/kernels/$2.py" --tb=short -s \
     2>&1 | tee "$out/$3.log" | grep -E "passed|failed|^E |^$4" | head -40; }
+  # the eager 32K step against transformers + fla-core + cut-cross-entropy, each with a profiled step:
+  # TIMEOUT WARMUP MAX_SECONDS (a method) TOTAL_SECONDS
+  eager_vs_peer() { timeout "$1" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce --seq-lens 32K \
+    --max-seq-len 32K --compile-backend eager --warmup "$2" --repeat 3 --max-seconds "$3" --profile --total-seconds "$4" \
+    --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\| (cpcompile|hf)|^[0-9]+K"; }
+  # issue 52's rows (HF_ROWS, default TRL's SFTTrainer beside cpcompile's trainer): TIMEOUT MAX_SECONDS
+  hf_rows() { PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$1" python3 benchmarks/hf_trainer_gpu.py \
+    --max-seconds "$2" --rows "${HF_ROWS:-sft_trainer,cpcompile_trainer}" --out "$out/hf_trainer_gpu.md" 2>&1 \
+    | tee "$out/hf.log" | grep -E "^\||Error"; }
   # EXTRA: trainer flags, e.g. "--methods cpcompile --seq-lens 32K,128K --sdpa-backend cudnn"
   [ "$what" = vs_hf ] && timeout 590 python3 benchmarks/trainer_vs_hf.py ${EXTRA:-} --out "$out/trainer_vs_hf.md" \
     2>&1 | tee "$out/trainer_vs_hf.log" | grep -E "^\||longest"
@@ -232,10 +241,7 @@ if has trainer; then
     kernel_test 120 test_gdn_normalising_core normalising_core normalising
     timeout 90 python3 benchmarks/gdn_eager_layer.py --T 32768 --out "$out/gdn_eager_layer.md" 2>&1 \
       | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
-    timeout "$(($(left 80) < 300 ? $(left 80) : 300))" python3 benchmarks/trainer_vs_hf.py \
-      --methods cpcompile,hf_fused_ce --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 3 \
-      --repeat 3 --max-seconds 140 --profile --total-seconds "$(($(left 95) < 285 ? $(left 95) : 285))" \
-      --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
+    eager_vs_peer "$(($(left 80) < 300 ? $(left 80) : 300))" 3 140 "$(($(left 95) < 285 ? $(left 95) : 285))"
     kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   # seventh_b (~9.5 min; carry [".whl"] with the wheels of trl 1.16, datasets 5.2, dill and multiprocess for
@@ -246,9 +252,7 @@ if has trainer; then
   if [ "$what" = seventh_b ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-585})); left() { echo $((end - SECONDS - $1)); }
     python3 -m pip install -q --no-deps .whl/trl-*.whl .whl/datasets-*.whl .whl/dill-*.whl .whl/multiprocess-*.whl
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 150)" python3 benchmarks/hf_trainer_gpu.py \
-      --max-seconds "$(left 155)" --rows "${HF_ROWS:-sft_trainer,cpcompile_trainer}" --out "$out/hf_trainer_gpu.md" \
-      2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
+    hf_rows "$(left 150)" "$(left 155)"
     timeout "$(left 2)" python3 benchmarks/finetune_gpu.py --steps 6 --out "$out/finetune_gpu.md" \
       2>&1 | tee "$out/finetune.log" | grep -E "^\||^step|Error" | tail -12
   fi
@@ -262,13 +266,8 @@ if has trainer; then
     kernel_test 75 test_gdn_normalising_core normalising_core normalising
     timeout 60 python3 benchmarks/gdn_eager_layer.py --T 32768 --repeat 10 --out "$out/gdn_eager_layer.md" 2>&1 \
       | tee "$out/gdn_eager_layer.log" | grep -E "^\||Error"
-    timeout "$(($(left 2) < 210 ? $(left 2) : 210))" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
-      --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 100 --profile \
-      --total-seconds "$(($(left 10) < 200 ? $(left 10) : 200))" \
-      --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
-    [ "$(left 0)" -gt 120 ] && PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout "$(left 20)" \
-      python3 benchmarks/hf_trainer_gpu.py --max-seconds "$(left 25)" --rows sft_trainer,cpcompile_trainer \
-      --out "$out/hf_trainer_gpu.md" 2>&1 | tee "$out/hf.log" | grep -E "^\||Error"
+    eager_vs_peer "$(($(left 2) < 210 ? $(left 2) : 210))" 2 100 "$(($(left 10) < 200 ? $(left 10) : 200))"
+    [ "$(left 0)" -gt 120 ] && hf_rows "$(left 20)" "$(left 25)"
     [ "$(left 0)" -gt 40 ] && kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   # eighth (2026-12-07, one call for both issues when starts keep failing; carry [".whl"] with every
@@ -278,22 +277,10 @@ if has trainer; then
   if [ "$what" = eighth ]; then
     end=$((SECONDS + ${SECONDS_LEFT:-560})); left() { echo $((end - SECONDS - $1)); }
     python3 -m pip install -q --no-deps .whl/*.whl
-    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 250 python3 benchmarks/hf_trainer_gpu.py \
-      --max-seconds 245 --rows sft_trainer,cpcompile_trainer --out "$out/hf_trainer_gpu.md" 2>&1 \
-      | tee "$out/hf.log" | grep -E "^\||Error"
+    hf_rows 250 245
     kernel_test "$(($(left 2) < 120 ? $(left 2) : 120))" test_gdn_normalising_core normalising_core normalising
-    [ "$(left 0)" -gt 60 ] && timeout "$(left 2)" python3 benchmarks/trainer_vs_hf.py --methods cpcompile,hf_fused_ce \
-      --seq-lens 32K --max-seq-len 32K --compile-backend eager --warmup 2 --repeat 3 --max-seconds 120 --profile \
-      --total-seconds "$(left 8)" --out "$out/eager_vs_hf_32k.md" 2>&1 | tee "$out/eager_vs_hf.log" \
-      | grep -E "^\| (cpcompile|hf)|^[0-9]+K"
+    [ "$(left 0)" -gt 60 ] && eager_vs_peer "$(left 2)" 2 120 "$(left 8)"
     [ "$(left 0)" -gt 40 ] && kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
-  fi
-  # ninth (a short call, the GPU accuracy items of issue 48 alone; no wheels): the normalising core's
-  # GPU test, then the varlen test, with what SECONDS_LEFT allows
-  if [ "$what" = ninth ]; then
-    end=$((SECONDS + ${SECONDS_LEFT:-180})); left() { echo $((end - SECONDS - $1)); }
-    kernel_test "$(left 40)" test_gdn_normalising_core normalising_core normalising
-    [ "$(left 0)" -gt 20 ] && kernel_test "$(left 2)" test_varlen_attention varlen_tests varlen
   fi
   if [ "$what" = pending_b ]; then
     end=$((SECONDS + 575)); left() { echo $((end - SECONDS - $1)); }
